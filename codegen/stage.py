@@ -1,0 +1,278 @@
+"""Codegen: turn a partitioned capture into one ``torch.fx.GraphModule`` per chunk.
+
+Each chunk module (DESIGN.md, "Chunk / stage module"):
+
+* takes its inputs as keyword arguments named after the values they carry: batch keys (``input_ids``), values
+  computed by other chunks (named after the producing node, e.g. ``linear_19``) and symbolic sizes (``sym_size_int_3``)
+  that the runtime evaluates from the batch's shapes, so no integer ever travels between ranks;
+* returns a dict of the values other chunks consume (and ``loss`` for the chunk that computes it);
+* owns the parameters and buffers it reads under their original fully qualified names (the *same*
+  ``nn.Parameter`` objects as the model's, so a weight read by two chunks on one rank accumulates one gradient);
+* routes values used several chunks later (RoPE tables, masks, position ids, labels, skip connections) explicitly:
+  every chunk that reads a value lists it as an input, whichever chunk produced it.
+
+Pure: no process group, no I/O.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx
+
+__all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError"]
+
+
+class CodegenError(ValueError):
+    """A partitioned graph cannot be turned into chunk modules."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueMeta:
+    """Shape and dtype of a value crossing chunks.
+
+    Attributes:
+        shape: per dim an ``int`` or a sympy expression in the capture's input size symbols.
+        dtype: torch dtype.
+        requires_grad: True when the value carries a gradient back to its producer.
+    """
+
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def concrete_shape(self, bindings: Mapping[sympy.Symbol, int]) -> tuple[int, ...]:
+        """Evaluate the shape for concrete input sizes.
+
+        Raises:
+            CodegenError: the shape depends on a symbol the bindings do not give (data-dependent size).
+        """
+        out = []
+        for s in self.shape:
+            if isinstance(s, int):
+                out.append(s)
+                continue
+            v = sympy.sympify(s.xreplace(bindings))
+            if not v.is_number:
+                raise CodegenError(f"size {s} depends on data ({v.free_symbols} unknown); data-dependent shapes "
+                                   "cannot cross chunks")
+            out.append(int(v))
+        return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkInput:
+    """One keyword input of a chunk module.
+
+    Attributes:
+        name: keyword name.
+        kind: "batch" (a batch key), "value" (produced by chunk ``src_chunk``) or "sym" (an integer size).
+        key: the batch key (kind "batch").
+        src_chunk: producing chunk (kind "value").
+        expr: sympy expression of the size (kind "sym").
+    """
+
+    name: str
+    kind: str
+    key: str | None = None
+    src_chunk: int | None = None
+    expr: Any = None
+
+
+@dataclasses.dataclass
+class ChunkModule:
+    """A generated chunk of one capture.
+
+    Attributes:
+        chunk: global chunk index (see ``dipc.passes.partition``).
+        gm: the chunk's GraphModule, ``gm(**inputs) -> {name: tensor}``; ``None`` when not built on this rank.
+        inputs: keyword inputs in order.
+        outputs: names of the values returned (consumed by other chunks, or the loss).
+        loss: name of the loss output when this chunk computes it.
+        output_meta: name -> :class:`ValueMeta` of each output.
+        state_names: fully qualified names of the parameters and buffers it reads.
+        n_nodes: number of compute nodes.
+    """
+
+    chunk: int
+    gm: torch.fx.GraphModule | None
+    inputs: list[ChunkInput]
+    outputs: list[str]
+    loss: str | None
+    output_meta: dict[str, ValueMeta]
+    state_names: list[str]
+    n_nodes: int
+
+
+def _expr(s):
+    if isinstance(s, torch.SymInt):
+        return s.node.expr
+    return int(s)
+
+
+def value_meta(node: torch.fx.Node, requires_grad: bool) -> ValueMeta:
+    """:class:`ValueMeta` of a tensor-valued node from its fake value."""
+    v = node.meta["val"]
+    rg = requires_grad and (v.dtype.is_floating_point or v.dtype.is_complex)
+    return ValueMeta(shape=tuple(_expr(s) for s in v.shape), dtype=v.dtype, requires_grad=rg)
+
+
+def grad_flow(graph: torch.fx.Graph, state_targets: Mapping[str, tuple[str, str]],
+              state: Mapping[str, torch.Tensor]) -> set[torch.fx.Node]:
+    """Nodes whose value may carry a gradient: floating tensors that depend on a trainable parameter."""
+    rg: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            kind, fqn = state_targets.get(n.name, (None, None))
+            t = state.get(fqn) if fqn else None
+            if kind == "parameter" and t is not None and t.requires_grad:
+                rg.add(n)
+        elif n.op == "call_function" and any(a in rg for a in n.all_input_nodes):
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex):
+                rg.add(n)
+            elif isinstance(v, (list, tuple)) and n.target is not operator.getitem:
+                rg.add(n)  # multi-output op: its getitems decide
+    return rg
+
+
+def _is_sym(node: torch.fx.Node) -> bool:
+    v = node.meta.get("val")
+    return isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)) and not isinstance(
+        v, torch.Tensor)
+
+
+def _attach_getitems(graph: torch.fx.Graph) -> None:
+    """Multi-output ops and their ``getitem`` users stay in one chunk (tuples never cross chunks)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            src = n.args[0]
+            if isinstance(src, torch.fx.Node) and "dipc_chunk" in src.meta:
+                n.meta["dipc_chunk"] = src.meta["dipc_chunk"]
+
+
+def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple[str, str]],
+                        input_keys: Mapping[str, str], loss_node: str, state: Mapping[str, torch.Tensor],
+                        n_chunks: int, build: set[int] | None = None) -> dict[int, ChunkModule]:
+    """Generate the chunk modules of one capture whose compute nodes carry ``dipc_chunk``.
+
+    Args:
+        graph: the partitioned capture graph.
+        state_targets: placeholder name -> (kind, fully qualified name) for parameters, buffers and constants.
+        input_keys: placeholder name -> batch key for user inputs.
+        loss_node: name of the loss node.
+        state: fully qualified name -> tensor: the model's own parameters/buffers and the capture's constants.
+        n_chunks: total number of chunks of the partition.
+        build: chunk indices whose GraphModule to build (others get ``gm=None`` and only their interface);
+            ``None`` builds all.
+
+    Returns:
+        chunk index -> :class:`ChunkModule` for every chunk that has compute nodes in this capture.
+
+    Raises:
+        CodegenError: a symbolic size crossing chunks depends on data.
+    """
+    _attach_getitems(graph)
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    # symbols bound by the user inputs' sizes
+    bound = set()
+    for name, key in input_keys.items():
+        v = placeholders[name].meta.get("val")
+        for s in getattr(v, "shape", ()):
+            if isinstance(s, torch.SymInt):
+                bound |= s.node.expr.free_symbols
+    compute = [n for n in graph.nodes if n.op == "call_function"]
+    rg = grad_flow(graph, state_targets, state)
+    by_chunk: dict[int, list[torch.fx.Node]] = {}
+    for n in compute:
+        by_chunk.setdefault(n.meta["dipc_chunk"], []).append(n)
+    consumers: dict[torch.fx.Node, set[int]] = {}
+    for n in compute:
+        for a in n.all_input_nodes:
+            if a.op == "call_function" and a.meta["dipc_chunk"] != n.meta["dipc_chunk"]:
+                consumers.setdefault(a, set()).add(n.meta["dipc_chunk"])
+
+    out: dict[int, ChunkModule] = {}
+    for c in sorted(by_chunk):
+        nodes = by_chunk[c]
+        g = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        inputs: list[ChunkInput] = []
+        state_names: list[str] = []
+        external: list[torch.fx.Node] = []
+        for n in nodes:  # external inputs in order of first use
+            for a in n.all_input_nodes:
+                if (a.op == "placeholder" or a.meta.get("dipc_chunk") != c) and a not in external:
+                    external.append(a)
+        attrs = []
+        for a in external:
+            if a.op == "placeholder" and a.name in state_targets:
+                attrs.append(a)
+                continue
+            if a.op == "placeholder":
+                ci = ChunkInput(name=input_keys[a.name], kind="batch", key=input_keys[a.name])
+            elif _is_sym(a):
+                v = a.meta["val"]
+                expr = v.node.expr if hasattr(v, "node") else sympy.Integer(int(v))
+                if not expr.free_symbols <= bound:
+                    raise CodegenError(
+                        f"chunk {c} needs the size {a.name} = {expr} computed in chunk {a.meta['dipc_chunk']}, and "
+                        f"it depends on data ({expr.free_symbols - bound}); such sizes cannot cross chunks")
+                ci = ChunkInput(name=a.name, kind="sym", expr=expr)
+            else:
+                ci = ChunkInput(name=a.name, kind="value", src_chunk=a.meta["dipc_chunk"])
+            ph = g.placeholder(ci.name)
+            ph.meta.update({k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")})
+            env[a] = ph
+            inputs.append(ci)
+        for a in attrs:
+            _, fqn = state_targets[a.name]
+            if fqn not in state_names:
+                state_names.append(fqn)
+            env[a] = g.get_attr(fqn)
+            env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")})
+        for n in nodes:
+            env[n] = g.node_copy(n, lambda a: env[a])
+        outputs: dict[str, torch.fx.Node] = {}
+        meta: dict[str, ValueMeta] = {}
+        loss = None
+        for n in nodes:
+            if n in consumers and not _is_sym(n):
+                if not isinstance(n.meta.get("val"), torch.Tensor):
+                    raise CodegenError(f"value {n.name} ({type(n.meta.get('val')).__name__}) crosses from chunk {c} "
+                                       f"to {sorted(consumers[n])}; only tensors and sizes may cross chunks")
+                outputs[n.name] = env[n]
+                meta[n.name] = value_meta(n, n in rg)
+            if n.name == loss_node:
+                outputs[n.name] = env[n]
+                meta[n.name] = value_meta(n, n in rg)
+                loss = n.name
+        g.output(outputs)
+        g.lint()
+        gm = None
+        if build is None or c in build:
+            gm = _make_module(g, state_names, state)
+        out[c] = ChunkModule(chunk=c, gm=gm, inputs=inputs, outputs=list(outputs), loss=loss, output_meta=meta,
+                             state_names=state_names, n_nodes=len(nodes))
+    return out
+
+
+def _make_module(g: torch.fx.Graph, names: list[str], state: Mapping[str, torch.Tensor]) -> torch.fx.GraphModule:
+    root = torch.nn.Module()
+    for fqn in names:
+        *prefix, field = fqn.split(".")
+        mod = root
+        for p in prefix:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        t = state[fqn]
+        if isinstance(t, torch.nn.Parameter):
+            mod.register_parameter(field, t)
+        else:
+            mod.register_buffer(field, t)
+    gm = torch.fx.GraphModule(root, g, class_name="Chunk")
+    return gm

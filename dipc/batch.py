@@ -1,0 +1,245 @@
+"""Batches: validation, microbatches, sub-microbatches and loss weights.
+
+* A batch is a dict of tensors with the keys of the example batch.  Per-sample keys have the text batch as dim 0
+  (``input_ids [B, S]``, ``labels [B, S]``); per-instance keys have a modality's instances as dim 0
+  (``pixel_values [N, 3, H, W]``).  Which instances belong to which sample is read from the placeholder tokens:
+  sample b owns ``count(input_ids[b] == token_id) / tokens_per_instance`` consecutive instances.
+* Microbatches split the samples into near-equal contiguous groups and keep each sample's instances with it
+  (image and text tensors are never split independently along dim 0).
+* An instance modality's work in a microbatch with N_i instances is split into ``M_i = ceil(N_i / B_i)`` near-equal
+  sub-microbatches (DIP, shared/PAPER.md §2.1 step 4).
+* Loss semantics: a token-mean loss over the batch stays a token-mean over the whole batch: microbatch m's loss is
+  weighted ``n_m / n`` (its labelled tokens over the batch's), a sample-mean loss ``B_m / B``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["BatchError", "Instances", "LossReduction", "Microbatch", "BatchSpec", "near_equal"]
+
+
+class BatchError(ValueError):
+    """A batch does not match the compiled pipeline (raised on every rank before any communication)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instances:
+    """How a modality's instances (e.g. images) appear in a batch.
+
+    Attributes:
+        modality: the modality module that encodes them (e.g. "vision").
+        keys: per-instance batch keys, dim 0 = instance (e.g. ``["pixel_values"]``).
+        token_id: the placeholder token id in ``token_key``.
+        tokens_per_instance: placeholder tokens per instance (e.g. (image_size / patch)^2).
+        token_key: the per-sample token key holding the placeholders.
+        sub_microbatch_size: B_i, instances per sub-microbatch.
+        drop_when_empty: drop ``keys`` from a microbatch that has no instance (models that take ``None`` for a
+            text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor.
+    """
+
+    modality: str
+    keys: tuple[str, ...]
+    token_id: int
+    tokens_per_instance: int
+    token_key: str = "input_ids"
+    sub_microbatch_size: int = 2
+    drop_when_empty: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LossReduction:
+    """Reduction of the model's loss over a batch.
+
+    Attributes:
+        kind: "token_mean" (mean over labelled tokens: weight = labelled tokens of the microbatch), "sample_mean"
+            (weight = samples) or "custom" (weight from ``weight_fn(microbatch) -> float``).
+        labels_key: the labels key for "token_mean".
+        ignore_index: label value that is not counted.
+        shift: labels are shifted by one inside the model (next-token prediction): position 0 is never counted.
+    """
+
+    kind: str = "token_mean"
+    labels_key: str = "labels"
+    ignore_index: int = -100
+    shift: bool = True
+    weight_fn: Callable[[Mapping[str, torch.Tensor]], float] | None = None
+
+    def numerator(self, mb: Mapping[str, torch.Tensor]) -> float:
+        if self.kind == "token_mean":
+            lab = mb[self.labels_key]
+            if self.shift:
+                lab = lab[..., 1:]
+            return float((lab != self.ignore_index).sum())
+        if self.kind == "sample_mean":
+            return float(next(iter(mb.values())).shape[0])
+        if self.kind == "custom" and self.weight_fn is not None:
+            return float(self.weight_fn(mb))
+        raise BatchError(f"unknown loss reduction {self.kind!r}")
+
+
+def near_equal(n: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` near-equal pieces of ``n`` (larger pieces first)."""
+    q, r = divmod(n, parts)
+    return [q + 1] * r + [q] * (parts - r)
+
+
+@dataclasses.dataclass
+class Microbatch:
+    """One microbatch of a step.
+
+    Attributes:
+        index: microbatch id.
+        data: key -> tensor (instance keys hold this microbatch's instances only).
+        instances: modality -> instance count N_i.
+        subs: modality -> list of ``(start, stop)`` instance ranges of its sub-microbatches (M_i entries).
+        weight: this microbatch's share of the batch loss.
+    """
+
+    index: int
+    data: dict[str, torch.Tensor]
+    instances: dict[str, int]
+    subs: dict[str, list[tuple[int, int]]]
+    weight: float
+
+    def sub_view(self, inst: Instances, sub: int) -> dict[str, torch.Tensor]:
+        """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``."""
+        lo, hi = self.subs[inst.modality][sub]
+        view = dict(self.data)
+        for k in inst.keys:
+            view[k] = self.data[k][lo:hi]
+        return view
+
+    def meta(self) -> dict:
+        return {"index": self.index, "instances": dict(self.instances),
+                "subs": {m: [list(r) for r in v] for m, v in self.subs.items()}, "weight": self.weight,
+                "shapes": {k: list(v.shape) for k, v in self.data.items()}}
+
+
+@dataclasses.dataclass
+class BatchSpec:
+    """What a batch must look like, taken from the example batch.
+
+    Attributes:
+        keys: key -> (ndim, dtype) of the example batch.
+        instances: instance modalities.
+        loss: the loss reduction.
+    """
+
+    keys: dict[str, tuple[int, torch.dtype]]
+    instances: list[Instances]
+    loss: LossReduction
+
+    @property
+    def instance_keys(self) -> set[str]:
+        return {k for i in self.instances for k in i.keys}
+
+    def validate(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """Check ``batch`` against the spec.
+
+        Returns:
+            (text batch size B, modality -> per-sample instance counts ``[B]``).
+
+        Raises:
+            BatchError: a key is missing or unexpected, a value is not a tensor or has the wrong rank or dtype,
+                per-sample keys disagree on B, or a sample's placeholder-token count does not match its instances.
+        """
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
+        missing = [k for k in self.keys if k not in batch]
+        if missing:
+            raise BatchError(f"batch is missing key(s) {missing} of the example batch (expected {list(self.keys)})")
+        extra = [k for k in batch if k not in self.keys]
+        if extra:
+            raise BatchError(f"batch has key(s) {extra} that the example batch did not have ({list(self.keys)})")
+        for k, (ndim, dtype) in self.keys.items():
+            v = batch[k]
+            if not isinstance(v, torch.Tensor):
+                raise BatchError(f"batch[{k!r}] is a {type(v).__name__}, expected a tensor")
+            if v.dim() != ndim:
+                raise BatchError(f"batch[{k!r}] has {v.dim()} dims (shape {list(v.shape)}), the example had {ndim}")
+            if v.dtype != dtype:
+                raise BatchError(f"batch[{k!r}] has dtype {v.dtype}, the example had {dtype}")
+        per_sample = [k for k in self.keys if k not in self.instance_keys]
+        sizes = {k: batch[k].shape[0] for k in per_sample}
+        if len(set(sizes.values())) > 1:
+            raise BatchError(f"per-sample keys disagree on the batch size: {sizes}")
+        B = next(iter(sizes.values())) if sizes else 0
+        if B == 0:
+            raise BatchError("batch has no sample (batch size 0)")
+        counts = {}
+        for inst in self.instances:
+            tok = batch[inst.token_key]
+            per = (tok == inst.token_id).reshape(B, -1).sum(dim=1)
+            bad = [(b, int(c)) for b, c in enumerate(per.tolist()) if c % inst.tokens_per_instance]
+            if bad:
+                raise BatchError(
+                    f"sample(s) {[b for b, _ in bad]} of {inst.token_key!r} hold {[c for _, c in bad]} placeholder "
+                    f"tokens (id {inst.token_id}), not a multiple of {inst.tokens_per_instance} tokens per "
+                    f"{inst.modality} instance")
+            n = per // inst.tokens_per_instance
+            for k in inst.keys:
+                if batch[k].shape[0] != int(n.sum()):
+                    raise BatchError(
+                        f"batch[{k!r}] holds {batch[k].shape[0]} {inst.modality} instance(s) but {inst.token_key!r} "
+                        f"has {int(per.sum())} placeholder tokens (id {inst.token_id}) = {int(n.sum())} instance(s) "
+                        f"of {inst.tokens_per_instance} tokens")
+            counts[inst.modality] = n
+        return B, counts
+
+    def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int) -> list[Microbatch]:
+        """Validate ``batch`` and cut it into ``n_microbatches`` microbatches (see the module docstring).
+
+        Raises:
+            BatchError: invalid batch (:meth:`validate`), ``n_microbatches`` < 1 or larger than the batch size, or
+                a microbatch with no labelled token under a token-mean loss.
+        """
+        B, counts = self.validate(batch)
+        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise BatchError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+        if n_microbatches > B:
+            raise BatchError(f"n_microbatches={n_microbatches} is larger than the batch size {B}")
+        sizes = near_equal(B, n_microbatches)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        inst_start = {m: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]) for m, c in counts.items()}
+        mbs = []
+        for i, (s, n) in enumerate(zip(starts, sizes)):
+            data = {}
+            for k, v in batch.items():
+                if k not in self.instance_keys:
+                    data[k] = v[s:s + n]
+            ninst, subs = {}, {}
+            for inst in self.instances:
+                lo, hi = int(inst_start[inst.modality][s]), int(inst_start[inst.modality][s + n])
+                ninst[inst.modality] = hi - lo
+                for k in inst.keys:
+                    if hi > lo or not inst.drop_when_empty:
+                        data[k] = batch[k][lo:hi]
+                N = hi - lo
+                M = math.ceil(N / inst.sub_microbatch_size)
+                ranges, o = [], 0
+                for sz in (near_equal(N, M) if M else []):
+                    ranges.append((o, o + sz))
+                    o += sz
+                subs[inst.modality] = ranges
+            mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0))
+        nums = [self.loss.numerator(mb.data) for mb in mbs]
+        total = sum(nums)
+        if self.loss.kind == "token_mean":
+            empty = [mb.index for mb, x in zip(mbs, nums) if x == 0]
+            if empty:
+                raise BatchError(
+                    f"microbatch(es) {empty} have no labelled token in {self.loss.labels_key!r} (all "
+                    f"{self.loss.ignore_index}); their token-mean loss is undefined: use fewer microbatches or give "
+                    "every sample a label")
+        for mb, x in zip(mbs, nums):
+            mb.weight = x / total if total else 0.0
+        return mbs
+
+
+def batch_spec_from_example(example: Mapping[str, torch.Tensor], instances: Sequence[Instances],
+                            loss: LossReduction) -> BatchSpec:
+    return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in example.items()}, instances=list(instances), loss=loss)

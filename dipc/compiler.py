@@ -1,0 +1,328 @@
+"""``dipc.compile``: capture -> passes -> codegen, into an inspectable :class:`CompiledPipeline`.
+
+Compilation needs no process group and no device (DESIGN.md "Data flow").  The static part of DIP's
+modality-aware partitioning (shared/PAPER.md §2.1) is done here: modality annotation, cost estimate, per-module
+balanced chunks with K_i chunks per rank placed VPP-style, per-chunk GraphModules.  The per-batch part
+(sub-microbatches, schedule, execution) lives in :mod:`dipc.runtime`.
+
+Re-capture: when torch.export specializes a dim that varies between batches (Hugging Face LLaVA fixes the image
+count), the pipeline keeps one *program* (a capture and its chunk modules, partitioned with the same block ranges)
+per distinct value of the specialized dims, made on first use and cached; a one-time warning names the dims.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+from typing import Any, Callable, Mapping, Sequence
+
+import sympy
+import torch
+
+from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
+from .capture import Capture, capture, signature_of
+from .passes.cost import ZERO, NodeCost, annotate_cost, node_latency
+from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
+from .passes.partition import Partition, apply_partition, partition
+from .codegen.stage import ChunkModule, build_chunk_modules
+from .codegen.source import chunk_source
+
+__all__ = ["compile", "CompiledPipeline", "Program"]
+
+
+@dataclasses.dataclass
+class Program:
+    """One capture of the model and its chunk modules.
+
+    Attributes:
+        capture: the torch.export capture.
+        chunks: chunk index -> :class:`dipc.codegen.stage.ChunkModule` (chunks with no node here are absent).
+        bindings: (symbol, batch key, dim) triples: how to read each input-size symbol off a batch.
+        boundary: modality -> names of the values its chunks hand to other modalities' chunks, in graph order.
+    """
+
+    capture: Capture
+    chunks: dict[int, ChunkModule]
+    bindings: list[tuple[sympy.Symbol, str, int]]
+    boundary: dict[str, list[str]]
+
+    def bind(self, data: Mapping[str, torch.Tensor]) -> dict[sympy.Symbol, int]:
+        """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view)."""
+        out = {}
+        for sym, key, dim in self.bindings:
+            if key in data:
+                out[sym] = int(data[key].shape[dim])
+        return out
+
+
+def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
+                    sub_size: Mapping[str, int] | None) -> list[Instances]:
+    cfg = getattr(model, "config", None)
+    if cfg is None or "pixel_values" not in batch:
+        return []
+    token_id = getattr(cfg, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(cfg, "image_token_index", None)
+    tpi = getattr(cfg, "tokens_per_image", None)
+    drop = False
+    vc = getattr(cfg, "vision_config", None)
+    if tpi is None and vc is not None and hasattr(vc, "image_size") and hasattr(vc, "patch_size"):
+        tpi = (vc.image_size // vc.patch_size) ** 2
+        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
+            tpi += 1
+        drop = True  # Hugging Face models take pixel_values=None for text-only batches
+    if token_id is None or tpi is None:
+        return []
+    b = (sub_size or {}).get("vision", 2)
+    return [Instances(modality="vision", keys=("pixel_values",), token_id=int(token_id),
+                      tokens_per_instance=int(tpi), sub_microbatch_size=int(b), drop_when_empty=drop)]
+
+
+def _auto_loss(batch: Mapping[str, torch.Tensor]) -> LossReduction:
+    lab = batch.get("labels")
+    if lab is not None and not lab.dtype.is_floating_point:
+        return LossReduction("token_mean", labels_key="labels")
+    return LossReduction("sample_mean")
+
+
+class CompiledPipeline:
+    """A model compiled into modality chunks for ``pp_size`` pipeline ranks.
+
+    Build it with :func:`compile`.  Inspect with :meth:`describe`, :meth:`modality_report`, :attr:`partition` and
+    :attr:`program` (its ``chunks[c].gm`` are the generated GraphModules); write sources with :meth:`save`; train
+    with :meth:`runtime` in each of the ``pp_size`` processes.
+    """
+
+    def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
+                 modalities: Mapping[str, Sequence[str]] | None, chunks_per_rank: Mapping[str, int] | None,
+                 instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
+                 loss_key: str, build: set[int] | None = None):
+        self.model = model
+        self.pp_size = pp_size
+        self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
+        self.dynamic = dynamic
+        self.loss_key = loss_key
+        self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss)
+        self._state: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self._state[name] = p
+        for name, b in model.named_buffers(remove_duplicate=False):
+            self._state[name] = b
+        self._build = build
+        self._warned: set = set()
+        cap = capture(model, example_batch, dynamic=dynamic, loss_key=loss_key)
+        annotate_modality(cap.graph, self.rules)
+        annotate_cost(cap.graph)
+        self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank)
+        for inst in instances:
+            if inst.modality not in self.partition.modalities:
+                raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
+                                 f"{self.partition.modalities}")
+        self.specialized = cap.specialized
+        self.program = self._program_from(cap)
+        self.programs: dict[tuple, Program] = {cap.signature: self.program}
+        self._check_sub_microbatching(self.program)
+
+    # ------------------------------------------------------------------ programs
+    def _program_from(self, cap: Capture) -> Program:
+        state = dict(self._state)
+        for name, t in cap.constants.items():
+            state.setdefault(name, t)
+        chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
+                                     len(self.partition.chunks), build=self._build)
+        bindings = []
+        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+        for name, key in cap.input_keys.items():
+            v = ph[name].meta.get("val")
+            for d, s in enumerate(getattr(v, "shape", ())):
+                if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                    bindings.append((s.node.expr, key, d))
+        boundary: dict[str, list[str]] = {}
+        mod_of = {c.index: c.modality for c in self.partition.chunks}
+        for c, cm in chunks.items():
+            for inp in cm.inputs:
+                if inp.kind == "value" and mod_of[inp.src_chunk] != mod_of[c]:
+                    lst = boundary.setdefault(mod_of[inp.src_chunk], [])
+                    if inp.name not in lst:
+                        lst.append(inp.name)
+        order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
+        for m in boundary:
+            boundary[m].sort(key=order.__getitem__)
+        return Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary)
+
+    def _check_sub_microbatching(self, prog: Program) -> None:
+        """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""
+        mod_of = {c.index: c.modality for c in self.partition.chunks}
+        for inst in self.batch_spec.instances:
+            for c, cm in prog.chunks.items():
+                if mod_of[c] != inst.modality:
+                    continue
+                for i in cm.inputs:
+                    if i.kind == "batch" and i.key not in inst.keys:
+                        raise BatchError(f"chunk {c} ({inst.modality}) reads batch key {i.key!r}, which is not one of "
+                                         f"its instance keys {list(inst.keys)}: it cannot run on sub-microbatches")
+                    if i.kind == "value" and mod_of[i.src_chunk] != inst.modality:
+                        raise BatchError(f"chunk {c} ({inst.modality}) reads {i.name!r} from a {mod_of[i.src_chunk]} "
+                                         "chunk: it cannot run on sub-microbatches")
+
+    def program_for(self, data: Mapping[str, torch.Tensor]) -> Program:
+        """The program traced for ``data``'s values of the specialized dims (captured on first use, cached).
+
+        Args:
+            data: a microbatch, or a sub-microbatch view (instance keys sliced).
+        """
+        sig = signature_of(data, self.specialized)
+        prog = self.programs.get(sig)
+        if prog is not None:
+            return prog
+        changed = [(k, d) for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature) if a != b]
+        key = tuple(changed)
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(
+                "dipc: torch.export specialized dim(s) " + ", ".join(f"{k}.shape[{d}]" for k, d in changed) +
+                " of the model's inputs (the model fixes them, e.g. with list(tensor)); dipc re-captures the model once "
+                "per distinct value and caches it", stacklevel=3)
+        cap = capture(self.model, data, dynamic=self.dynamic, loss_key=self.loss_key)
+        annotate_modality(cap.graph, self.rules)
+        apply_partition(cap.graph, self.partition)
+        prog = self._program_from(cap)
+        self.programs[sig] = prog
+        return prog
+
+    # ------------------------------------------------------------------ inspection
+    def chunk_latency(self, chunk: int) -> float:
+        """Estimated forward latency (seconds) of ``chunk`` on the example batch (the one cost interface the
+        runtime's planner uses; the calibrated cost model replaces it)."""
+        return node_latency(self.partition.chunks[chunk].cost)
+
+    def chunk_params(self, chunk: int) -> list[str]:
+        """Fully qualified names of the parameters chunk ``chunk`` reads (in the main capture)."""
+        cm = self.program.chunks.get(chunk)
+        if cm is None:
+            return []
+        return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
+
+    def describe(self) -> str:
+        """A table of the chunks: rank, modality, segment, layers, parameters, estimated forward cost."""
+        part = self.partition
+        lines = [f"dipc pipeline: P={self.pp_size}, modalities {part.modalities}"]
+        for m in part.modalities:
+            inst = next((i for i in self.batch_spec.instances if i.modality == m), None)
+            b = f", B_i={inst.sub_microbatch_size} {m} instance(s) per sub-microbatch" if inst else ""
+            lines.append(f"  {m}: {part.n_blocks[m]} block(s) in {part.block_container.get(m, '(none)')}, "
+                         f"K_i={part.chunks_per_rank[m]} chunk(s) per rank{b}, est. forward "
+                         f"{node_latency(part.module_cost[m]) * 1e3:.3f} ms")
+        lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'seg':>3} {'layers':>10} {'params':>12} "
+                     f"{'GFLOP':>9} {'est. ms':>8}")
+        for c in part.chunks:
+            blocks = part.block_numbers[c.modality][c.blocks[0]:c.blocks[1]]
+            layers = f"{blocks[0]}-{blocks[-1]}" if blocks else "-"
+            n_params = sum(self._state[n].numel() for n in set(self.chunk_params(c.index)))
+            lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>3} {layers:>10} {n_params:>12,} "
+                         f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}")
+        if self.specialized:
+            dims = [f"{k}.shape[{d}]" for k, d in self.specialized]
+            lines.append(f"static dims (re-captured per value when they change): {', '.join(dims)}")
+        return "\n".join(lines)
+
+    def modality_report(self) -> str:
+        """Compute nodes per modality and the module paths that fell into each."""
+        g = self.program.capture.graph
+        lines = []
+        for m, n in modality_summary(g).items():
+            paths = {}
+            for node in g.nodes:
+                if node.meta.get("dipc_modality") == m:
+                    p = module_path(node)
+                    top = p[-1].split(".")[:3] if p else ["(no module)"]
+                    paths[".".join(top)] = paths.get(".".join(top), 0) + 1
+            lines.append(f"{m}: {n} nodes")
+            for p, k in sorted(paths.items(), key=lambda x: -x[1])[:12]:
+                lines.append(f"    {k:6d}  {p}")
+        return "\n".join(lines)
+
+    def save(self, directory: str) -> list[str]:
+        """Write each chunk's readable generated source to ``directory/rank<r>/chunk<c>_<modality>.py`` and the
+        :meth:`describe` table to ``directory/pipeline.txt``.  Returns the written paths."""
+        os.makedirs(directory, exist_ok=True)
+        written = []
+        for c in self.partition.chunks:
+            cm = self.program.chunks.get(c.index)
+            d = os.path.join(directory, f"rank{c.rank}")
+            os.makedirs(d, exist_ok=True)
+            path = os.path.join(d, f"chunk{c.index}_{c.modality}.py")
+            with open(path, "w") as f:
+                f.write(chunk_source(c, cm))
+            written.append(path)
+        path = os.path.join(directory, "pipeline.txt")
+        with open(path, "w") as f:
+            f.write(self.describe() + "\n\n" + self.modality_report() + "\n")
+        written.append(path)
+        return written
+
+    def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0):
+        """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
+
+        Args:
+            group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
+            n_microbatches: microbatches per step (default ``2 * pp_size``).
+            timeout: seconds any distributed wait may take before it raises.
+        """
+        from .runtime import PipelineRuntime
+        return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout)
+
+
+def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
+            modalities: Mapping[str, Sequence[str]] | None = None,
+            chunks_per_rank: Mapping[str, int] | None = None,
+            sub_microbatch_size: Mapping[str, int] | None = None,
+            instances: Sequence[Instances] | None = None,
+            loss: LossReduction | str | None = None,
+            dynamic: Mapping[str, Mapping[int, Any]] | None = None,
+            loss_key: str = "loss") -> CompiledPipeline:
+    """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
+
+    Args:
+        model: the unsplit model. ``model(**batch)`` returns the scalar training loss (or a mapping/ModelOutput with
+            it under ``loss_key``).  Its forward must be deterministic (no dropout) for gradients to match exactly.
+        example_batch: key -> tensor, e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``, ``labels [B, S]``;
+            every later batch must have the same keys, ranks and dtypes.
+        pp_size: P, the number of pipeline ranks.
+        modalities: modality -> module path components, e.g. ``{"vision": ["vision_tower",
+            "multi_modal_projector"], "text": ["language_model"]}``; default :data:`dipc.passes.modality.DEFAULT_RULES`.
+        chunks_per_rank: K_i per modality (default: DIP's rule floor(T_i / T_1), capped by the block count).
+        sub_microbatch_size: B_i per instance modality (default 2).
+        instances: how instances (images) appear in batches; default detected from ``model.config``
+            (``image_token_id``/``image_token_index``, ``tokens_per_image`` or the vision config's patch grid).
+        loss: "token_mean", "sample_mean" or a :class:`dipc.batch.LossReduction` (default: token-mean when the
+            batch has integer ``labels``, else sample-mean).
+        dynamic: per key ``{dim: Dim | None}`` overriding the dynamic dims (``None`` fixes a dim).
+        loss_key: key of the loss in a mapping output.
+
+    Returns:
+        a :class:`CompiledPipeline` (no process group needed).
+
+    Raises:
+        dipc.passes.partition.PartitionError: ``pp_size`` larger than a module's block count allows, or a bad K_i.
+        dipc.capture.CaptureError: the model cannot be exported or returns no loss.
+        dipc.batch.BatchError: an instance declaration does not fit the model.
+    """
+    if not isinstance(pp_size, int) or pp_size < 1:
+        raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
+    if instances is None:
+        instances = _auto_instances(model, example_batch, sub_microbatch_size)
+    elif sub_microbatch_size:
+        instances = [dataclasses.replace(i, sub_microbatch_size=sub_microbatch_size.get(i.modality,
+                                                                                       i.sub_microbatch_size))
+                     for i in instances]
+    for i in instances:
+        if i.sub_microbatch_size < 1:
+            raise ValueError(f"sub_microbatch_size for {i.modality!r} must be >= 1, got {i.sub_microbatch_size}")
+    if loss is None:
+        loss = _auto_loss(example_batch)
+    elif isinstance(loss, str):
+        loss = LossReduction(loss)
+    return CompiledPipeline(model, example_batch, pp_size, modalities=modalities, chunks_per_rank=chunks_per_rank,
+                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key)

@@ -1,0 +1,122 @@
+"""Launch a function on ``nprocs`` local processes with a gloo (CPU) or NCCL process group.
+
+``torchrun`` is the production launcher (every dipc entry point also works under it: it reads the usual
+``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` variables).  :func:`spawn` is the small in-Python launcher used by tests,
+benchmarks and the main job: it picks a free port, starts the processes with the ``spawn`` start method, sets one
+intra-op thread per rank, joins with a timeout (killing every process when it runs out), and re-raises the first
+rank's exception with its traceback in the parent.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["spawn", "free_port", "init_from_env", "SpawnError"]
+
+
+class SpawnError(RuntimeError):
+    """A spawned rank failed or the group ran past its timeout."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(backend: str | None = None, timeout: float = 300.0) -> None:
+    """Initialise the default process group from torchrun's environment variables (no-op if already done)."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _worker(rank: int, world: int, port: int, backend: str, timeout: float, threads: int, fn, args, queue):
+    try:
+        torch.set_num_threads(threads)
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                           "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # report everything, including assertion failures in tests
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout: float = 300.0,
+          backend: str = "gloo", threads_per_rank: int = 1) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes that share a process group.
+
+    Args:
+        fn: a picklable (module-level) function.
+        nprocs: number of ranks.
+        args: extra picklable arguments.
+        timeout: seconds for the whole group; also the process group's collective timeout.
+        backend: "gloo" (CPU) or "nccl".
+        threads_per_rank: torch intra-op threads per process.
+
+    Returns:
+        the per-rank return values of ``fn`` (must be picklable), in rank order.
+
+    Raises:
+        SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout, threads_per_rank, fn, tuple(args),
+                                               queue), daemon=True) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import queue as _q
+    import time
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < nprocs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SpawnError(f"ranks {sorted(set(range(nprocs)) - set(results) - set(errors))} did not finish "
+                                 f"within {timeout} s" + (f"; errors: {errors}" if errors else ""))
+            try:
+                rank, status, payload = queue.get(timeout=min(left, 1.0))
+            except _q.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+                if dead and all(not p.is_alive() for p in procs):
+                    raise SpawnError(f"ranks {dead} exited without reporting (exit codes "
+                                     f"{[procs[r].exitcode for r in dead]})")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                # the others will fail on their timeouts; stop them now
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        r = min(errors)
+        raise SpawnError(f"rank {r} failed:\n{errors[r]}")
+    return [results[r] for r in range(nprocs)]

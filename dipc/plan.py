@@ -1,0 +1,303 @@
+"""The plan IR: per-rank ordered action lists, their text and JSON forms, and the checker that runs before execution.
+
+A plan (DESIGN.md "Plan"; DIP shared/PAPER.md §2.8, in DynaPipe's instruction style) is, per rank, an ordered list
+of actions:
+
+* ``F`` / ``B``: forward / backward of one stage, i.e. of (chunk, microbatch, sub-microbatch) with a memory strategy;
+* ``SEND_F`` / ``SEND_B``: post a non-blocking send of named tensors (activations / gradients) to another rank;
+* ``RECV_F`` / ``RECV_B``: post a non-blocking receive of named tensors; the ``F`` / ``B`` that consumes them waits
+  for completion (the wait is implicit in the consuming compute action).
+
+Text form, one token per action, in the spirit of torch.distributed.pipelining's ``0F1`` / ``1SEND_F1``:
+``3F1`` = chunk 3 forward of microbatch 1; ``0F1.2`` = sub-microbatch 2 of it; ``3SEND_F1->5`` = chunk 3 sends its
+microbatch-1 activations to chunk 5; ``5RECV_F1<-3`` = chunk 5 receives them; ``5RECV_B1<-7.0`` receives the
+gradient from chunk 7's sub-microbatch 0.
+
+:func:`validate` checks a plan before it runs: every send has its receive with the same tensors (names, shapes,
+dtypes) and sends between a pair of ranks are received in the order they are sent (so the plan is also valid on
+NCCL, which matches point-to-point messages in order), every compute action appears once on the rank that owns its
+chunk, every dependency holds, and a dry run finds no deadlock (else it names what each blocked rank waits on).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import defaultdict
+from typing import Iterable
+
+__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "stage_key"]
+
+COMPUTE = ("F", "B")
+SENDS = ("SEND_F", "SEND_B")
+RECVS = ("RECV_F", "RECV_B")
+
+
+class PlanError(ValueError):
+    """A plan is malformed, inconsistent or would deadlock."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A named tensor in a message: ``shape`` in elements, ``dtype`` as torch's name (e.g. "float32")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * getattr(torch, self.dtype).itemsize
+
+
+def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
+    """Key of a compute stage, e.g. ``F:3:1:-1`` (sub -1 = the whole microbatch)."""
+    return f"{kind}:{chunk}:{mb}:{sub}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One action of a rank's list.
+
+    Attributes:
+        kind: F, B, SEND_F, RECV_F, SEND_B or RECV_B.
+        chunk, mb, sub: the stage the action belongs to (for a send: the producer; for a receive: the consumer);
+            ``sub = -1`` means the whole microbatch.
+        peer_rank, peer_chunk, peer_sub: the other end of a send or receive.
+        msg: message id (unique in a plan), for sends and receives.
+        tensors: the message's tensors.
+        strategy: memory strategy of a compute action ("keep"; "recompute" and "offload" come with the memory
+            optimiser).
+    """
+
+    kind: str
+    chunk: int
+    mb: int
+    sub: int = -1
+    peer_rank: int = -1
+    peer_chunk: int = -1
+    peer_sub: int = -1
+    msg: int = -1
+    tensors: tuple[TensorSpec, ...] = ()
+    strategy: str = "keep"
+
+    @property
+    def stage(self) -> str:
+        """Key of the compute stage this action belongs to."""
+        d = self.kind[-1] if self.kind not in COMPUTE else self.kind
+        return stage_key(d, self.chunk, self.mb, self.sub)
+
+    @property
+    def peer_stage(self) -> str:
+        d = self.kind[-1]
+        return stage_key(d, self.peer_chunk, self.mb, self.peer_sub)
+
+    def __str__(self) -> str:
+        s = f".{self.sub}" if self.sub >= 0 else ""
+        if self.kind in COMPUTE:
+            return f"{self.chunk}{self.kind}{self.mb}{s}"
+        ps = f".{self.peer_sub}" if self.peer_sub >= 0 else ""
+        arrow = "->" if self.kind in SENDS else "<-"
+        return f"{self.chunk}{self.kind}{self.mb}{s}{arrow}{self.peer_chunk}{ps}"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["tensors"] = [[t.name, list(t.shape), t.dtype] for t in self.tensors]
+        return {k: v for k, v in d.items() if v not in (-1, (), [], "keep") or k in ("kind", "chunk", "mb")}
+
+    @staticmethod
+    def from_json(d: dict) -> "Action":
+        d = dict(d)
+        d["tensors"] = tuple(TensorSpec(n, tuple(s), t) for n, s, t in d.get("tensors", []))
+        return Action(**d)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A whole step's plan.
+
+    Attributes:
+        step: training step it is for.
+        chunk_ranks: chunk index -> rank owning it.
+        ranks: per rank, its ordered actions.
+        deps: compute stage key -> keys of the compute stages it depends on.
+        microbatches: per microbatch, its metadata (instances, sub-microbatch ranges, loss weight, shapes).
+        simulated: optional schedule figures (stage start/end in seconds, iteration time) from the planner.
+    """
+
+    step: int
+    chunk_ranks: list[int]
+    ranks: list[list[Action]]
+    deps: dict[str, list[str]]
+    microbatches: list[dict] = dataclasses.field(default_factory=list)
+    simulated: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.ranks)
+
+    def to_text(self) -> str:
+        """Stable text form: one line per rank, ``rank r: tok tok ...``."""
+        return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks))
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "chunk_ranks": self.chunk_ranks,
+                           "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
+                           "deps": self.deps, "microbatches": self.microbatches, "simulated": self.simulated},
+                          sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        return Plan(step=d["step"], chunk_ranks=d["chunk_ranks"],
+                    ranks=[[Action.from_json(a) for a in acts] for acts in d["ranks"]], deps=d["deps"],
+                    microbatches=d.get("microbatches", []), simulated=d.get("simulated", {}))
+
+    def digest(self) -> str:
+        """SHA-256 of the JSON form: every rank checks it before executing."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def compute_actions(self) -> Iterable[tuple[int, Action]]:
+        for r, acts in enumerate(self.ranks):
+            for a in acts:
+                if a.kind in COMPUTE:
+                    yield r, a
+
+
+def validate(plan: Plan) -> list[tuple[int, int]]:
+    """Check ``plan`` (see the module docstring) and return a feasible global execution order.
+
+    Returns:
+        ``[(rank, action index), ...]``: an interleaving of all ranks' lists that the dry run executed; running the
+        actions in this order in one process is a faithful single-process execution of the plan.
+
+    Raises:
+        PlanError: naming the first problem found (unmatched send/receive, tensor mismatch, out-of-order
+            messages between a rank pair, missing/duplicate/misplaced stage, broken dependency, deadlock).
+    """
+    sends: dict[int, tuple[int, int, Action]] = {}
+    recvs: dict[int, tuple[int, int, Action]] = {}
+    where: dict[str, tuple[int, int]] = {}
+    for r, acts in enumerate(plan.ranks):
+        for i, a in enumerate(acts):
+            if a.kind in COMPUTE:
+                if a.stage in where:
+                    raise PlanError(f"stage {a} appears twice (rank {where[a.stage][0]} and rank {r})")
+                if not 0 <= a.chunk < len(plan.chunk_ranks) or plan.chunk_ranks[a.chunk] != r:
+                    raise PlanError(f"stage {a} is on rank {r} but chunk {a.chunk} lives on rank "
+                                    f"{plan.chunk_ranks[a.chunk] if 0 <= a.chunk < len(plan.chunk_ranks) else '?'}")
+                where[a.stage] = (r, i)
+            elif a.kind in SENDS or a.kind in RECVS:
+                table = sends if a.kind in SENDS else recvs
+                if a.msg in table:
+                    raise PlanError(f"message {a.msg} has two {a.kind} actions ({table[a.msg][2]} and {a})")
+                if a.peer_rank == r or not 0 <= a.peer_rank < plan.n_ranks:
+                    raise PlanError(f"{a} on rank {r} has invalid peer rank {a.peer_rank}")
+                table[a.msg] = (r, i, a)
+            else:
+                raise PlanError(f"unknown action kind {a.kind!r} on rank {r}")
+    for msg, (r, i, s) in sends.items():
+        if msg not in recvs:
+            raise PlanError(f"send {s} on rank {r} (message {msg}) has no matching receive on rank {s.peer_rank}")
+        rr, _, v = recvs[msg]
+        if rr != s.peer_rank or v.peer_rank != r:
+            raise PlanError(f"message {msg}: {s} on rank {r} targets rank {s.peer_rank} but {v} is on rank {rr} "
+                            f"expecting rank {v.peer_rank}")
+        if s.kind[-1] != v.kind[-1] or s.stage != v.peer_stage or v.stage != s.peer_stage:
+            raise PlanError(f"message {msg}: {s} (rank {r}) and {v} (rank {rr}) name different stages")
+        if s.tensors != v.tensors:
+            raise PlanError(f"message {msg}: {s} sends {[(t.name, t.shape, t.dtype) for t in s.tensors]} but {v} "
+                            f"expects {[(t.name, t.shape, t.dtype) for t in v.tensors]}")
+    for msg, (r, _, v) in recvs.items():
+        if msg not in sends:
+            raise PlanError(f"receive {v} on rank {r} (message {msg}) has no matching send on rank {v.peer_rank}")
+    # per rank pair, receives are posted in send order
+    order_s: dict[tuple[int, int], list[int]] = defaultdict(list)
+    order_r: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for r, acts in enumerate(plan.ranks):
+        for a in acts:
+            if a.kind in SENDS:
+                order_s[(r, a.peer_rank)].append(a.msg)
+            elif a.kind in RECVS:
+                order_r[(a.peer_rank, r)].append(a.msg)
+    for pair, msgs in order_s.items():
+        if order_r[pair] != msgs:
+            raise PlanError(f"messages from rank {pair[0]} to rank {pair[1]} are sent in order {msgs} but received "
+                            f"in order {order_r[pair]}")
+    # dependencies
+    for st, deps in plan.deps.items():
+        if st not in where:
+            raise PlanError(f"stage {st} has dependencies but no action")
+        r, i = where[st]
+        for d in deps:
+            if d not in where:
+                raise PlanError(f"stage {st} depends on {d}, which no rank runs")
+            dr, di = where[d]
+            if dr == r:
+                if di >= i:
+                    raise PlanError(f"on rank {r}, {plan.ranks[r][i]} runs before its dependency "
+                                    f"{plan.ranks[dr][di]}")
+            else:
+                ok = any(v.stage == st and v.peer_stage == d and j < i
+                         for j, v in enumerate(plan.ranks[r]) if v.kind in RECVS)
+                if not ok:
+                    raise PlanError(f"{plan.ranks[r][i]} on rank {r} depends on {plan.ranks[dr][di]} on rank {dr} "
+                                    "but receives nothing from it before running")
+    for st, (r, i) in where.items():
+        a = plan.ranks[r][i]
+        if a.kind == "B" and stage_key("F", a.chunk, a.mb, a.sub) in where:
+            fr, fi = where[stage_key("F", a.chunk, a.mb, a.sub)]
+            if fi >= i:
+                raise PlanError(f"on rank {r}, {a} runs before its forward")
+    return dry_run(plan)
+
+
+def dry_run(plan: Plan) -> list[tuple[int, int]]:
+    """Execute the plan symbolically: sends never block, a compute action waits until every message addressed to
+    its stage has been sent and its receive posted.
+
+    Returns:
+        the global order in which actions ran.
+
+    Raises:
+        PlanError: deadlock, naming each blocked rank's action and the messages it waits on.
+    """
+    incoming: dict[str, list[int]] = defaultdict(list)
+    recv_stage: dict[int, str] = {}
+    for r, acts in enumerate(plan.ranks):
+        for a in acts:
+            if a.kind in RECVS:
+                incoming[a.stage].append(a.msg)
+                recv_stage[a.msg] = a.stage
+    sent: set[int] = set()
+    posted: set[int] = set()
+    pc = [0] * plan.n_ranks
+    order: list[tuple[int, int]] = []
+    total = sum(len(a) for a in plan.ranks)
+    while len(order) < total:
+        progressed = False
+        for r, acts in enumerate(plan.ranks):
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.kind in COMPUTE and not all(m in sent and m in posted for m in incoming[a.stage]):
+                    break
+                if a.kind in SENDS:
+                    sent.add(a.msg)
+                elif a.kind in RECVS:
+                    posted.add(a.msg)
+                order.append((r, pc[r]))
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for r, acts in enumerate(plan.ranks):
+                if pc[r] < len(acts):
+                    a = acts[pc[r]]
+                    missing = [m for m in incoming[a.stage] if m not in sent or m not in posted]
+                    waits.append(f"rank {r} at {a} waits on message(s) {missing}")
+            raise PlanError("deadlock: " + "; ".join(waits))
+    return order

@@ -1,0 +1,611 @@
+"""Runtime: per-step stage graph, plan delivery and the executor.
+
+For every ``step(batch)`` on every rank of the pipeline group (DESIGN.md "Data flow"):
+
+1. the batch is validated and split into microbatches and sub-microbatches (:mod:`dipc.batch`); a bad batch raises
+   on every rank before any communication;
+2. the stage graph of the step is built: a forward and a backward stage per (chunk, microbatch, sub-microbatch),
+   with the named tensors every cross-rank edge carries (shapes evaluated from the capture's symbolic shapes);
+3. rank 0 of the group schedules it (:func:`dipc.schedule.list_schedule`, DIP §2.4), lowers it to a
+   :class:`dipc.plan.Plan`, checks it (:func:`dipc.plan.validate`) and delivers it to every rank through
+   ``torch.distributed`` with the step number and a SHA-256 digest that every rank checks (DIP §2.8);
+4. each rank executes its action list with non-blocking point-to-point sends and receives (gloo on CPU, NCCL on GPU:
+   the plan posts receives in the order a peer sends); every wait has a timeout;
+5. gradients of weights that live on several ranks (tied input embedding / LM head) are summed over those ranks, and
+   the batch loss (microbatch losses weighted by :attr:`dipc.batch.Microbatch.weight`) is broadcast to every rank.
+
+:func:`run_local` executes a plan for all ranks in one process (no process group) in the order the plan's dry run
+found; it is the same executor with an in-memory transport.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from collections import defaultdict
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .batch import BatchError, Microbatch
+from .plan import COMPUTE, RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
+from .schedule import Edge, Stage, StageGraph, list_schedule, lower
+
+__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor"]
+
+_MAX_TENSORS_PER_MSG = 1024
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+@dataclasses.dataclass
+class StepWorkload:
+    """Everything about one step that every rank derives identically from the batch.
+
+    Attributes:
+        microbatches: the step's microbatches.
+        programs: stage key (F and B share one) -> the program whose chunk module runs it.
+        data: stage key -> the inputs view (microbatch or sub-microbatch) it runs on.
+        wiring: forward stage key -> input name -> list of (producer forward stage key, producer value name);
+            several producers mean a concatenation along dim 0 (sub-microbatch outputs of an encoder).
+        empty: forward stage key -> input name -> (shape, dtype) of a 0-instance input (no producer).
+        graph: the stage graph (stages, edges with tensors).
+    """
+
+    microbatches: list[Microbatch]
+    programs: dict
+    data: dict
+    bindings: dict
+    wiring: dict
+    empty: dict
+    graph: StageGraph
+
+
+def _fkey(c, m, s):
+    return stage_key("F", c, m, s)
+
+
+def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
+    """Build the stage graph of a step (see the module docstring) for ``compiled``'s chunks.
+
+    Raises:
+        dipc.codegen.stage.CodegenError: a crossing tensor's shape cannot be evaluated.
+        PlanError: programs of a microbatch and its sub-microbatches disagree on their boundary values.
+    """
+    part = compiled.partition
+    P = compiled.pp_size
+    mod_of = {c.index: c.modality for c in part.chunks}
+    rank_of = {c.index: c.rank for c in part.chunks}
+    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    ex_units = _example_units(compiled)
+    stages: dict[str, Stage] = {}
+    programs, data, bindings = {}, {}, {}
+    wiring: dict[str, dict[str, list]] = {}
+    empty: dict[str, dict] = {}
+    edges: dict[tuple[str, str], list[TensorSpec]] = {}
+
+    def add_stage(c, m, s, prog, view, units):
+        lat = compiled.chunk_latency(c) * units / max(ex_units[mod_of[c]], 1e-12)
+        prio = -m
+        for kind, mult in (("F", 1.0), ("B", 2.0)):
+            st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat * mult, priority=prio,
+                       modality=mod_of[c])
+            stages[st.key] = st
+        k = _fkey(c, m, s)
+        programs[k] = prog
+        data[k] = view
+        bindings[k] = prog.bind(view)
+        edges[(k, stage_key("B", c, m, s))] = []
+
+    for mb in microbatches:
+        m = mb.index
+        prog = compiled.program_for(mb.data)
+        sub_progs = {}
+        for mod, inst in inst_of.items():
+            for j in range(len(mb.subs[mod])):
+                view = mb.sub_view(inst, j)
+                sp = compiled.program_for(view)
+                sub_progs[(mod, j)] = sp
+                for c in sorted(sp.chunks):
+                    if mod_of[c] == mod:
+                        add_stage(c, m, j, sp, view, view[inst.keys[0]].shape[0])
+        units = _units(compiled, mb.data)
+        for c in sorted(prog.chunks):
+            if mod_of[c] not in inst_of:
+                add_stage(c, m, -1, prog, mb.data, units)
+        # wiring
+        for key in [k for k in stages if k.startswith("F:") and stages[k].mb == m]:
+            st = stages[key]
+            p = programs[key]
+            cm = p.chunks[st.chunk]
+            w = wiring.setdefault(key, {})
+            for inp in cm.inputs:
+                if inp.kind != "value":
+                    continue
+                src_mod = mod_of[inp.src_chunk]
+                if src_mod == st.modality or src_mod not in inst_of:
+                    w[inp.name] = [(_fkey(inp.src_chunk, m, st.sub if src_mod == st.modality else -1), inp.name)]
+                    continue
+                # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs
+                k_idx = p.boundary[src_mod].index(inp.name)
+                producers = []
+                for j in range(len(mb.subs[src_mod])):
+                    sp = sub_progs[(src_mod, j)]
+                    if len(sp.boundary.get(src_mod, [])) != len(p.boundary[src_mod]):
+                        raise PlanError(f"the capture for sub-microbatch {j} of microbatch {m} hands "
+                                        f"{sp.boundary.get(src_mod)} from {src_mod} to the backbone, the microbatch's "
+                                        f"capture expects {p.boundary[src_mod]}")
+                    name = sp.boundary[src_mod][k_idx]
+                    src_chunk = next(c for c, cmj in sp.chunks.items() if name in cmj.outputs)
+                    producers.append((_fkey(src_chunk, m, j), name))
+                w[inp.name] = producers
+                if not producers:
+                    meta = p.chunks[inp.src_chunk].output_meta[inp.name]
+                    empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), meta.dtype)
+        # edges with tensors
+    for key, w in wiring.items():
+        for name, producers in w.items():
+            for pk, pname in producers:
+                pst = stages[pk]
+                meta = programs[pk].chunks[pst.chunk].output_meta[pname]
+                spec = TensorSpec(pname, meta.concrete_shape(bindings[pk]), _dtype_name(meta.dtype))
+                lst = edges.setdefault((pk, key), [])
+                if spec not in lst:
+                    lst.append(spec)
+                if meta.requires_grad:
+                    bk = "B" + key[1:]
+                    bpk = "B" + pk[1:]
+                    lst_b = edges.setdefault((bk, bpk), [])
+                    if spec not in lst_b:
+                        lst_b.append(spec)
+    edge_list = [Edge(src=s, dst=d, tensors=tuple(t) if stages[s].rank != stages[d].rank else ())
+                 for (s, d), t in edges.items()]
+    return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
+                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list))
+
+
+def _units(compiled, data) -> float:
+    """Work units of a whole-microbatch stage: elements of the first per-sample key (tokens for text)."""
+    spec = compiled.batch_spec
+    key = next(k for k in spec.keys if k not in spec.instance_keys)
+    return float(data[key].numel())
+
+
+def _example_units(compiled) -> dict[str, float]:
+    ex = compiled.program.capture
+    out = {}
+    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    shapes = {}
+    for n in ex.graph.nodes:
+        if n.op == "placeholder" and n.name in ex.input_keys:
+            v = n.meta.get("val")
+            shapes[ex.input_keys[n.name]] = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+                                             for s in v.shape]
+    spec = compiled.batch_spec
+    key = next(k for k in spec.keys if k not in spec.instance_keys)
+    tokens = 1
+    for s in shapes[key]:
+        tokens *= s
+    for m in compiled.partition.modalities:
+        if m in inst_of:
+            out[m] = float(shapes[inst_of[m].keys[0]][0])
+        else:
+            out[m] = float(tokens)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- transport
+class _DistTransport:
+    def __init__(self, group, timeout: float):
+        self.group = group
+        self.timeout = datetime.timedelta(seconds=timeout)
+
+    def global_rank(self, r: int) -> int:
+        return dist.get_global_rank(self.group, r) if self.group is not None else r
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int):
+        return dist.isend(t, dst=self.global_rank(peer), group=self.group, tag=tag)
+
+    def irecv(self, t: torch.Tensor, peer: int, tag: int):
+        return dist.irecv(t, src=self.global_rank(peer), group=self.group, tag=tag)
+
+    def wait(self, work):
+        work.wait(self.timeout)
+
+
+class _LocalWork:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def wait(self, *_):
+        self.fn()
+
+
+class _LocalTransport:
+    """In-memory mailbox for :func:`run_local` (all ranks in one process)."""
+
+    def __init__(self):
+        self.box: dict = {}
+
+    def bind(self, rank: int):
+        tr = self
+
+        class _View:
+            def isend(self, t, peer, tag):
+                tr.box[(rank, peer, tag)] = t.detach().clone()
+                return _LocalWork(lambda: None)
+
+            def irecv(self, buf, peer, tag):
+                def fill():
+                    key = (peer, rank, tag)
+                    if key not in tr.box:
+                        raise PlanError(f"rank {rank} waits for a message (tag {tag}) rank {peer} never sent")
+                    buf.copy_(tr.box.pop(key))
+                return _LocalWork(fill)
+
+            def wait(self, work):
+                work.wait()
+        return _View()
+
+
+# ---------------------------------------------------------------------------------------------------- executor
+class Executor:
+    """Runs one rank's actions of a plan.
+
+    The chunk modules it runs are taken from the step's programs; forward outputs and the detached inputs that
+    receive gradients are kept per stage until its backward.  Events ``(kind, stage, start, end)`` in seconds since
+    the step began are recorded in :attr:`events` for traces.
+    """
+
+    def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict):
+        self.rank = rank
+        self.w = workload
+        self.plan = plan
+        self.tr = transport
+        self.mods = chunk_modules  # (program id, chunk) -> GraphModule
+        self.outputs: dict[str, dict[str, torch.Tensor]] = {}
+        self.leaves: dict[str, dict[str, torch.Tensor]] = {}
+        self.grads: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # F key -> output name -> grad
+        self.out_grads: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (F key, producer F key) -> grads
+        self.recv: dict[int, tuple[list, list]] = {}
+        self.inbox: dict[str, list[int]] = defaultdict(list)  # stage key -> message ids destined to it
+        self.received: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (stage, peer stage) -> tensors
+        self.sends: list = []
+        self.losses: dict[int, torch.Tensor] = {}
+        self.events: list[tuple[str, str, float, float]] = []
+        self.t0 = time.perf_counter()
+
+    def run(self, actions=None):
+        for a in (self.plan.ranks[self.rank] if actions is None else actions):
+            self.do(a)
+
+    def do(self, a):
+        t = time.perf_counter()
+        if a.kind == "F":
+            self._forward(a)
+        elif a.kind == "B":
+            self._backward(a)
+        elif a.kind in SENDS:
+            self._send(a)
+        elif a.kind in RECVS:
+            self._recv(a)
+        else:
+            raise PlanError(f"unknown action {a}")
+        self.events.append((a.kind, str(a), t - self.t0, time.perf_counter() - self.t0))
+
+    # -- communication
+    def _send(self, a):
+        fk = _fkey(a.chunk, a.mb, a.sub)
+        if a.kind == "SEND_F":
+            src = self.outputs[fk]
+        else:
+            src = self.out_grads.pop((fk, _fkey(a.peer_chunk, a.mb, a.peer_sub)))
+        if len(a.tensors) > _MAX_TENSORS_PER_MSG:
+            raise PlanError(f"message {a.msg} carries {len(a.tensors)} tensors (max {_MAX_TENSORS_PER_MSG})")
+        for i, spec in enumerate(a.tensors):
+            t = src[spec.name].detach().contiguous()
+            if tuple(t.shape) != spec.shape or _dtype_name(t.dtype) != spec.dtype:
+                raise PlanError(f"{a}: tensor {spec.name} is {tuple(t.shape)} {t.dtype}, the plan says {spec.shape} "
+                                f"{spec.dtype}")
+            self.sends.append((self.tr.isend(t, a.peer_rank, a.msg * _MAX_TENSORS_PER_MSG + i), t))
+
+    def _recv(self, a):
+        bufs, works = [], []
+        for i, spec in enumerate(a.tensors):
+            buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+            works.append(self.tr.irecv(buf, a.peer_rank, a.msg * _MAX_TENSORS_PER_MSG + i))
+            bufs.append(buf)
+        self.recv[a.msg] = (bufs, works, a)
+        self.inbox[a.stage].append(a.msg)
+
+    def _collect(self, stage: str):
+        for msg in self.inbox.pop(stage, []):
+            bufs, works, a = self.recv.pop(msg)
+            for wk in works:
+                self.tr.wait(wk)
+            self.received[(stage, a.peer_stage)] = {s.name: b for s, b in zip(a.tensors, bufs)}
+
+    # -- compute
+    def _forward(self, a):
+        fk = _fkey(a.chunk, a.mb, a.sub)
+        self._collect(fk)
+        prog = self.w.programs[fk]
+        cm = prog.chunks[a.chunk]
+        view = self.w.data[fk]
+        bind = self.w.bindings[fk]
+        kwargs, leaves = {}, {}
+        for inp in cm.inputs:
+            if inp.kind == "batch":
+                kwargs[inp.name] = view[inp.key]
+            elif inp.kind == "sym":
+                kwargs[inp.name] = int(inp.expr.xreplace(bind))
+            else:
+                parts = []
+                for pk, pname in self.w.wiring[fk][inp.name]:
+                    pr = self.w.graph.stages[pk].rank
+                    parts.append(self.outputs[pk][pname] if pr == self.rank else self.received[(fk, pk)][pname])
+                if not parts:
+                    shape, dtype = self.w.empty[fk][inp.name]
+                    t = torch.zeros(shape, dtype=dtype)
+                else:
+                    t = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts], dim=0)
+                t = t.detach()
+                if t.is_floating_point():
+                    t.requires_grad_(True)
+                    leaves[inp.name] = t
+                kwargs[inp.name] = t
+        mod = self.mods[(id(prog), a.chunk)]
+        with torch.enable_grad():
+            out = mod(**kwargs)
+        self.outputs[fk] = out
+        self.leaves[fk] = leaves
+        if cm.loss is not None:
+            self.losses[a.mb] = out[cm.loss].detach()
+        for k in [k for k in self.received if k[0] == fk]:
+            del self.received[k]
+
+    def _backward(self, a):
+        fk = _fkey(a.chunk, a.mb, a.sub)
+        bk = stage_key("B", a.chunk, a.mb, a.sub)
+        self._collect(bk)
+        prog = self.w.programs[fk]
+        cm = prog.chunks[a.chunk]
+        out = self.outputs.pop(fk)
+        g = self.grads.pop(fk, {})
+        for (stage, peer), tensors in list(self.received.items()):
+            if stage == bk:
+                for name, t in tensors.items():
+                    g[name] = g[name] + t if name in g else t
+                del self.received[(stage, peer)]
+        tensors, grads = [], []
+        if cm.loss is not None:
+            mb = self.w.microbatches[a.mb]
+            tensors.append(out[cm.loss])
+            grads.append(torch.full_like(out[cm.loss], mb.weight))
+        for name, t in out.items():
+            if name in g and isinstance(t, torch.Tensor) and t.requires_grad:
+                tensors.append(t)
+                grads.append(g[name])
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        leaves = self.leaves.pop(fk)
+        for name, leaf in leaves.items():
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            producers = self.w.wiring[fk][name]
+            sizes = [self.outputs_shape(pk, pname)[0] for pk, pname in producers] if len(producers) > 1 else None
+            pieces = torch.split(grad, sizes, dim=0) if sizes else [grad]
+            for (pk, pname), piece in zip(producers, pieces):
+                pr = self.w.graph.stages[pk].rank
+                if pr == self.rank:
+                    d = self.grads[pk]
+                    d[pname] = d[pname] + piece if pname in d else piece
+                else:
+                    self.out_grads.setdefault((fk, pk), {})[pname] = piece
+
+    def outputs_shape(self, pk, pname):
+        st = self.w.graph.stages[pk]
+        meta = self.w.programs[pk].chunks[st.chunk].output_meta[pname]
+        return meta.concrete_shape(self.w.bindings[pk])
+
+    def finish(self):
+        for work, _ in self.sends:
+            self.tr.wait(work)
+        self.sends.clear()
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+def make_plan(compiled, workload: StepWorkload, step: int) -> Plan:
+    """Schedule a step with the dual-queue list scheduler and lower it to a checked plan."""
+    chunk_ranks = [c.rank for c in compiled.partition.chunks]
+    sched = list_schedule(workload.graph, compiled.pp_size)
+    plan = lower(workload.graph, sched, chunk_ranks, step=step,
+                 microbatches=[mb.meta() for mb in workload.microbatches])
+    validate(plan)
+    return plan
+
+
+def _modules_of(workload: StepWorkload, ranks) -> dict:
+    mods = {}
+    for k, prog in workload.programs.items():
+        st = workload.graph.stages[k]
+        if st.rank in ranks:
+            gm = prog.chunks[st.chunk].gm
+            if gm is None:
+                raise PlanError(f"chunk {st.chunk} has no module built in this process")
+            mods[(id(prog), st.chunk)] = gm
+    return mods
+
+
+def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None):
+    """Execute one step of every rank in this process and return ``(loss, plan)``.
+
+    Gradients accumulate into the model's parameters exactly as the distributed pipeline's would (tied weights
+    included, since every rank's chunks share the model's parameter objects here).
+    """
+    mbs = compiled.batch_spec.split(batch, n_microbatches)
+    w = build_workload(compiled, mbs)
+    plan = plan or make_plan(compiled, w, 0)
+    order = validate(plan)
+    tr = _LocalTransport()
+    ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]
+    for r, i in order:
+        ex[r].do(plan.ranks[r][i])
+    for e in ex:
+        e.finish()
+    loss = sum(mb.weight * l for e in ex for m, l in e.losses.items() for mb in [mbs[m]])
+    return loss, plan
+
+
+# ---------------------------------------------------------------------------------------------------- runtime
+class PipelineRuntime:
+    """One rank's view of a compiled pipeline: its chunk modules, the planner and the executor.
+
+    Use ``pipe.parameters()`` for the optimizer and ``loss = pipe.step(batch)`` per training step; the loss is the
+    whole batch's (same value on every rank) and the gradients are in this rank's parameters' ``.grad``.
+
+    Raises (constructor):
+        RuntimeError: torch.distributed is not initialised or the group size is not ``pp_size``.
+    """
+
+    def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("dipc runtime needs torch.distributed initialised (e.g. under torchrun, or "
+                               "dipc.launch.spawn); compile and inspect need no process group")
+        self.compiled = compiled
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if self.world != compiled.pp_size:
+            raise RuntimeError(f"the process group has {self.world} ranks but the pipeline was compiled for "
+                               f"pp_size={compiled.pp_size}")
+        self.n_microbatches = n_microbatches or 2 * compiled.pp_size
+        self.timeout = timeout
+        self.transport = _DistTransport(group, timeout)
+        self.step_index = 0
+        self.last_plan: Plan | None = None
+        self.last_events: list = []
+        self.last_timing: dict = {}
+        self._setup_params()
+
+    # -- parameters
+    def _setup_params(self):
+        comp = self.compiled
+        names_by_id: dict[int, list[str]] = defaultdict(list)
+        for n, p in comp.model.named_parameters(remove_duplicate=False):
+            names_by_id[id(p)].append(n)
+        self._param_obj = {id(p): p for p in comp.model.parameters()}
+        ranks_by_id: dict[int, set] = defaultdict(set)
+        for c in comp.partition.chunks:
+            for n in comp.chunk_params(c.index):
+                ranks_by_id[id(comp._state[n])].add(c.rank)
+        for pid in self._param_obj:  # parameters the loss does not reach live on rank 0 (kept for state_dict)
+            if not ranks_by_id[pid]:
+                ranks_by_id[pid].add(0)
+        self._names_by_id = names_by_id
+        self._ranks_by_id = ranks_by_id
+        self.local_param_ids = [pid for pid in self._param_obj if self.rank in ranks_by_id[pid]]
+        self._tied: list[tuple[list[int], object]] = []
+        groups = {}
+        for pid in self._param_obj:  # same order on every rank (model order)
+            rs = tuple(sorted(ranks_by_id[pid]))
+            if len(rs) > 1 and rs not in groups:
+                groups[rs] = dist.new_group(list(dist.get_global_rank(self.group, r) if self.group else r
+                                                 for r in rs))
+        self._tied = [(pid, groups[tuple(sorted(ranks_by_id[pid]))]) for pid in self.local_param_ids
+                      if len(ranks_by_id[pid]) > 1]
+        buf_ids = set()
+        for c in comp.partition.chunks:
+            if c.rank == self.rank and c.index in comp.program.chunks:
+                for n in comp.program.chunks[c.index].state_names:
+                    buf_ids.add(n)
+        self._local_state_names = buf_ids
+
+    def parameters(self):
+        """This rank's parameters (each once), for the optimizer."""
+        return [self._param_obj[pid] for pid in self.local_param_ids]
+
+    def named_parameters(self):
+        """``(original fully qualified name, parameter)`` for this rank's parameters."""
+        return [(self._names_by_id[pid][0], self._param_obj[pid]) for pid in self.local_param_ids]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under every original name (tied weights under each alias)."""
+        out = {}
+        for pid in self.local_param_ids:
+            for n in self._names_by_id[pid]:
+                out[n] = self._param_obj[pid].detach().clone()
+        for n, b in self.compiled.model.named_buffers(remove_duplicate=False):
+            if n in self._local_state_names or self.rank == 0:
+                out[n] = b.detach().clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict gathered from all ranks, under the original names (a collective)."""
+        parts = [None] * self.world
+        dist.all_gather_object(parts, self.state_dict(), group=self.group)
+        out = {}
+        for p in parts:
+            out.update(p)
+        return out
+
+    # -- step
+    def plan_step(self, microbatches: list[Microbatch]) -> tuple[StepWorkload, Plan]:
+        """Build this step's workload and receive (rank 0: make) its plan; checks step and digest."""
+        w = build_workload(self.compiled, microbatches)
+        payload = [None]
+        if self.rank == 0:
+            plan = make_plan(self.compiled, w, self.step_index)
+            text = plan.to_json()
+            payload = [(self.step_index, plan.digest(), text)]
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(payload, src=src, group=self.group)
+        step, digest, text = payload[0]
+        plan = Plan.from_json(text)
+        if step != self.step_index or plan.digest() != digest:
+            raise PlanError(f"rank {self.rank} got the plan of step {step} (digest {digest[:12]}) while at step "
+                            f"{self.step_index} (digest {plan.digest()[:12]})")
+        return w, plan
+
+    def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None) -> torch.Tensor:
+        """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
+
+        Args:
+            batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
+                ``labels [B, S]``).
+            n_microbatches: overrides the runtime's microbatch count for this step.
+
+        Returns:
+            the batch loss (0-dim float tensor), identical on every rank.
+
+        Raises:
+            dipc.batch.BatchError: the batch is invalid (raised on every rank before any communication).
+            dipc.plan.PlanError: plan delivery or execution is inconsistent.
+            RuntimeError: a distributed wait exceeded the timeout.
+        """
+        t0 = time.perf_counter()
+        mbs = self.compiled.batch_spec.split(batch, n_microbatches or self.n_microbatches)
+        w, plan = self.plan_step(mbs)
+        t1 = time.perf_counter()
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}))
+        ex.run()
+        ex.finish()
+        for pid, grp in self._tied:
+            p = self._param_obj[pid]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            work = dist.all_reduce(p.grad, group=grp, async_op=True)
+            work.wait(self.transport.timeout)
+        local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32))
+        loss = local.detach().to(torch.float32).clone()
+        work = dist.all_reduce(loss, group=self.group, async_op=True)
+        work.wait(self.transport.timeout)
+        t2 = time.perf_counter()
+        self.last_plan = plan
+        self.last_events = ex.events
+        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
+        self.last_microbatches = mbs
+        self.step_index += 1
+        return loss

@@ -1,0 +1,117 @@
+"""Modality pass: label every compute node of a captured graph with the modality module it belongs to.
+
+DIP (shared/PAPER.md §2.1) partitions each modality module (ViT, LLM, DiT, text encoder, ...) on its own; this pass
+decides which nodes belong to which module.  A node's module comes from its ``nn_module_stack`` (the module paths
+torch.export records): the deepest path that matches a rule wins.  Rules map a modality name to path components,
+e.g. ``{"vision": ["vision_tower", "multi_modal_projector"], "text": ["language_model"]}``; a rule component matches
+a whole dotted component of the path (``model.vision_tower.encoder`` matches ``vision_tower``) or a dotted prefix.
+
+Nodes no rule claims ("glue": the image/text merge, masks, position ids, RoPE tables built outside the modules, the
+LM head, the loss) follow this documented rule:
+
+1. *consumer rule*: a glue node takes the modality of its first labelled consumer (in graph order), walking the graph
+   backwards, so values are computed by the module that consumes them - the scatter of image features into the
+   text sequence belongs to the text backbone, which keeps encoder chunks free of text work;
+2. *producer rule*: glue nodes whose consumers are all unlabelled (the LM head, the loss, assertions) take the
+   modality of their latest labelled input, walking forwards;
+3. nodes still unlabelled (a graph with no rule match at all) get ``default``.
+
+Sets ``node.meta["dipc_modality"]`` on every ``call_function`` node and returns the graph.
+"""
+from __future__ import annotations
+
+import re
+from typing import Mapping, Sequence
+
+import torch.fx
+
+__all__ = ["DEFAULT_RULES", "annotate_modality", "module_path", "modality_summary"]
+
+#: default rules: modality -> path components.  Order matters only for paths matching several modalities
+#: (the deepest matching path wins first, then the first rule).
+DEFAULT_RULES: dict[str, list[str]] = {
+    "vision": ["vision_tower", "visual", "vision_model", "image_encoder", "vision_encoder", "multi_modal_projector",
+               "mm_projector"],
+    "audio": ["audio_tower", "audio_encoder"],
+    "text_encoder": ["text_encoder", "text_encoders", "text_encoder_2"],
+    "text": ["language_model", "llm", "text_model"],
+    "dit": ["transformer", "dit", "unet", "denoiser"],
+}
+
+_SUFFIX = re.compile(r"@\d+$")
+
+
+def module_path(node: torch.fx.Node) -> list[str]:
+    """Module paths of ``node`` from outermost to innermost (call suffixes like ``@1`` removed)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths = []
+    for v in stack.values():
+        p = v[0] if isinstance(v, tuple) else str(v)
+        p = _SUFFIX.sub("", p)
+        if p and not p.startswith("_empty_nn_module_stack"):
+            paths.append(p)
+    return paths
+
+
+def _match(path: str, component: str) -> bool:
+    parts = path.split(".")
+    comp = component.split(".")
+    n = len(comp)
+    return any(parts[i:i + n] == comp for i in range(len(parts) - n + 1))
+
+
+def _rule_modality(paths: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str | None:
+    for p in reversed(paths):  # deepest first
+        for modality, comps in rules.items():
+            if any(_match(p, c) for c in comps):
+                return modality
+    return None
+
+
+def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] | None = None,
+                      default: str = "text") -> torch.fx.Graph:
+    """Label each ``call_function`` node with ``node.meta["dipc_modality"]`` (see the module docstring).
+
+    Args:
+        graph: a captured graph whose nodes carry ``nn_module_stack``.
+        rules: modality -> list of path components; replaces :data:`DEFAULT_RULES` when given.
+        default: modality for nodes no rule reaches (graphs with no matching module at all).
+
+    Returns:
+        the same graph, annotated in place.
+    """
+    rules = dict(DEFAULT_RULES if rules is None else rules)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    label: dict[torch.fx.Node, str] = {}
+    for n in nodes:
+        m = _rule_modality(module_path(n), rules)
+        if m is not None:
+            label[n] = m
+    # 1. consumer rule, backwards
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in reversed(nodes):
+        if n in label:
+            continue
+        users = sorted((u for u in n.users if u in label), key=order.__getitem__)
+        if users:
+            label[n] = label[users[0]]
+    # 2. producer rule, forwards
+    for n in nodes:
+        if n in label:
+            continue
+        ins = sorted((a for a in n.all_input_nodes if a in label), key=order.__getitem__)
+        if ins:
+            label[n] = label[ins[-1]]
+    for n in nodes:
+        n.meta["dipc_modality"] = label.get(n, default)
+    return graph
+
+
+def modality_summary(graph: torch.fx.Graph) -> dict[str, int]:
+    """Number of compute nodes per modality, in order of first appearance."""
+    out: dict[str, int] = {}
+    for n in graph.nodes:
+        m = n.meta.get("dipc_modality")
+        if m is not None:
+            out[m] = out.get(m, 0) + 1
+    return out
