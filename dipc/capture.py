@@ -163,7 +163,8 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
         if val is None:
             continue
         for d in dyn.get(key, {}):
-            if isinstance(val.shape[d], int):
+            size = val.shape[d]
+            if isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number):
                 specialized.append((key, d))
     signature = tuple(batch[k].shape[d] for k, d in specialized)
     return Capture(graph_module=gm, state_targets=state_targets, input_keys=input_keys, loss_node=loss_name,

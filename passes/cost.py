@@ -83,7 +83,36 @@ def _nbytes(v) -> float:
     return 0.0
 
 
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= _hint(d)
+    return n
+
+
+def _direct_flops(node: torch.fx.Node) -> float | None:
+    """FLOPs of the training-IR ops torch's registry does not list (it counts their decompositions)."""
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+    val = node.meta.get("val")
+    ins = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    if name == "linear" and isinstance(val, torch.Tensor):
+        return 2.0 * _numel(val.shape) * _hint(ins[1].shape[-1])
+    if name == "matmul" and isinstance(val, torch.Tensor):
+        return 2.0 * _numel(val.shape) * _hint(ins[0].shape[-1])
+    if name in ("conv1d", "conv2d", "conv3d") and isinstance(val, torch.Tensor):
+        w = ins[1]
+        return 2.0 * _numel(val.shape) * _numel(w.shape[1:])
+    if name == "scaled_dot_product_attention" and isinstance(val, torch.Tensor):
+        q, k = ins[0], ins[1]
+        # Q K^T and P V: 2 * 2 * (batch * heads) * S_q * S_k * D
+        return 4.0 * _numel(q.shape[:-1]) * _hint(k.shape[-2]) * _hint(q.shape[-1])
+    return None
+
+
 def _flops(node: torch.fx.Node) -> float:
+    direct = _direct_flops(node)
+    if direct is not None:
+        return direct
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     fn = flop_registry.get(packet) if packet is not None else None

@@ -1,0 +1,121 @@
+"""Check a pipeline against the unsplit model (the project's correctness rule, DESIGN.md "Numerics").
+
+:func:`reference_check` runs inside each rank of a process group (e.g. under :func:`dipc.launch.spawn`): it
+builds the model twice from the same seed, compiles one copy into a pipeline and keeps the other whole, then for
+every batch compares the loss and every local parameter's gradient, applies one AdamW step to both and compares the
+parameters.  At the end it gathers the pipeline's state dict under the original names, loads it into a fresh
+unsplit model, checks every tensor arrived bit-exactly and that the fresh model's loss equals the pipeline's.  Everything is asserted in the rank, with the tolerance
+given; the function returns the largest errors it saw, for reports.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+__all__ = ["reference_check", "resolve", "unsplit_loss"]
+
+
+def resolve(path: str) -> Callable:
+    """``"package.module:function"`` -> the function (so specs stay picklable across processes)."""
+    mod, _, fn = path.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def unsplit_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], loss_key: str = "loss") -> torch.Tensor:
+    """The loss of the whole model on ``batch`` (accepts a tensor or a mapping/ModelOutput output)."""
+    out = model(**batch)
+    if isinstance(out, torch.Tensor):
+        return out
+    return out[loss_key]
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max()) if a.numel() else 0.0
+
+
+def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[Any], batches_fn: str,
+                    batches_args: Sequence[Any], compile_kwargs: Mapping[str, Any] | None = None,
+                    n_microbatches: int = 2, seed: int = 0, lr: float = 1e-3, rtol: float = 1e-5,
+                    atol: float = 1e-6, param_atol: float = 1e-5, check_state_dict: bool = True) -> dict:
+    """Train a pipeline and the unsplit model side by side and assert they agree (see the module docstring).
+
+    Args:
+        rank, world: this rank and the pipeline size (the default process group).
+        model_fn, model_args: ``"module:function"`` building the model (called after ``torch.manual_seed(seed)``).
+        batches_fn, batches_args: ``"module:function"`` returning a list of batches; the first is the example
+            batch for compilation, the rest are the training steps.
+        compile_kwargs: extra arguments of :func:`dipc.compile`.
+        n_microbatches: microbatches per step.
+        lr: AdamW learning rate.
+        rtol, atol: tolerance for losses and gradients (fp32; differences come only from summing microbatch
+            gradients in another order than one big batch's matmuls).
+        param_atol: tolerance for parameters after AdamW steps (Adam divides by sqrt(v): a gradient element near
+            zero with a rounding-level difference can move its update by up to ``lr``, so parameters are compared
+            with a looser absolute tolerance than gradients).
+
+    Returns:
+        ``{"loss": [...], "grad_err": float, "param_err": float, "n_params": int, "timing": [...]}``.
+
+    Raises:
+        AssertionError: a loss, gradient or parameter differs beyond tolerance.
+    """
+    import dipc
+
+    batches = resolve(batches_fn)(*batches_args)
+    torch.manual_seed(seed)
+    model = resolve(model_fn)(*model_args)
+    ref = copy.deepcopy(model)
+    compiled = dipc.compile(model, batches[0], world, **dict(compile_kwargs or {}))
+    pipe = compiled.runtime(n_microbatches=n_microbatches)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))
+    report = {"loss": [], "ref_loss": [], "grad_err": 0.0, "param_err": 0.0, "n_params": 0, "timing": []}
+    for i, batch in enumerate(batches[1:]):
+        loss = pipe.step(batch)
+        ref_loss = unsplit_loss(ref, batch)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"rank {rank} step {i}: loss differs: {m}")
+        report["loss"].append(float(loss))
+        report["ref_loss"].append(float(ref_loss))
+        report["timing"].append(dict(pipe.last_timing))
+        for name, p in pipe.named_parameters():
+            rp = ref_params[name]
+            if rp.grad is None and p.grad is None:
+                continue
+            assert p.grad is not None and rp.grad is not None, \
+                f"rank {rank} step {i}: gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
+            torch.testing.assert_close(p.grad, rp.grad, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"rank {rank} step {i}: gradient of {name} differs: {m}")
+            report["grad_err"] = max(report["grad_err"], _max_err(p.grad, rp.grad))
+        report["n_params"] = len(pipe.named_parameters())
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p, ref_params[name], rtol=0, atol=param_atol,
+                                       msg=lambda m: f"rank {rank} step {i}: parameter {name} differs: {m}")
+            report["param_err"] = max(report["param_err"], _max_err(p, ref_params[name]))
+    if check_state_dict:
+        sd = pipe.full_state_dict()
+        torch.manual_seed(seed + 1)
+        fresh = resolve(model_fn)(*model_args)
+        missing, unexpected = fresh.load_state_dict(sd, strict=False)
+        assert not unexpected, f"state dict has names the model does not know: {unexpected}"
+        persistent_missing = [m for m in missing if m in fresh.state_dict()]
+        assert not persistent_missing, f"state dict lacks {persistent_missing}"
+        for name, t in fresh.state_dict().items():
+            assert torch.equal(t, sd[name]), f"{name} did not load bit-exactly"
+        with torch.no_grad():
+            a = unsplit_loss(fresh, batches[-1])
+        b = pipe.step(batches[-1])  # the pipeline's own loss with the same parameters (no optimizer step)
+        opt.zero_grad()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"loaded state dict gives another loss than the pipeline: {m}")
+        report["state_dict_loss"] = (float(a), float(b))
+    return report

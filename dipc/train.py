@@ -1,0 +1,109 @@
+"""The main job: train a multimodal model as a dipc pipeline across processes on CPU.
+
+    python -m dipc.train                      # tiny Hugging Face LLaVA, 2 ranks, 30 steps
+    python -m dipc.train --model vlm          # dipc's reference VLM
+    python -m dipc.train --model t2v          # dipc's reference text-to-video diffusion model
+    torchrun --nproc-per-node 2 -m dipc.train # the same under torchrun
+
+Every rank builds the model from the same seed (random init, no download), compiles it with :func:`dipc.compile`,
+and trains with AdamW on generated batches whose images per sample and text lengths vary like real interleaved
+image-text data (see :mod:`dipc.models.data` for the published statistics used).  Rank 0 prints per step the loss,
+the microbatches (images in each), the sub-microbatches, the planner's simulated iteration time and the measured
+step time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+__all__ = ["main", "build"]
+
+
+def build(model: str, seed: int, n_batches: int, batch_size: int):
+    """(model, batches) for ``model`` in {"llava", "vlm", "t2v"}; batches[0] is the example batch."""
+    torch.manual_seed(seed)
+    if model == "llava":
+        from dipc.models.hf import tiny_llava, tiny_llava_config
+        from dipc.models.data import llava_batches
+        m = tiny_llava(seed)
+        return m, list(llava_batches(m.config, n_batches, batch_size, seed + 1))
+    if model == "vlm":
+        from dipc.models import ReferenceVLM, VLMConfig
+        from dipc.models.data import vlm_batches
+        cfg = VLMConfig.tiny()
+        return ReferenceVLM(cfg), list(vlm_batches(cfg, n_batches, batch_size, seed + 1))
+    if model == "t2v":
+        from dipc.models import ReferenceT2V, T2VConfig
+        from dipc.models.data import t2v_batches
+        cfg = T2VConfig.tiny()
+        return ReferenceT2V(cfg), list(t2v_batches(cfg, n_batches, batch_size, seed + 1))
+    raise ValueError(f"unknown model {model!r}: choose llava, vlm or t2v")
+
+
+def _run(rank: int, world: int, args) -> list:
+    import dipc
+    model, batches = build(args.model, args.seed, args.steps + 1, args.batch_size)
+    t0 = time.perf_counter()
+    compiled = dipc.compile(model, batches[0], world)
+    compile_s = time.perf_counter() - t0
+    if rank == 0:
+        print(f"compiled {type(model).__name__} for {world} ranks in {compile_s:.2f} s", flush=True)
+        print(compiled.describe(), flush=True)
+        if args.save:
+            compiled.save(args.save)
+            print(f"wrote chunk sources to {args.save}/", flush=True)
+    pipe = compiled.runtime(n_microbatches=args.microbatches)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    history = []
+    for step, batch in enumerate(batches[1:]):
+        t = time.perf_counter()
+        loss = pipe.step(batch)
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t
+        mbs = pipe.last_microbatches
+        images = [sum(mb.instances.values()) for mb in mbs]
+        subs = sum(len(v) for mb in mbs for v in mb.subs.values())
+        sim = pipe.last_plan.simulated.get("iteration_time", 0.0)
+        history.append((float(loss), dt))
+        if rank == 0:
+            shape = "x".join(str(s) for s in next(iter(batch.values())).shape)
+            print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)} "
+                  f"(images {images})  sub-microbatches {subs}  plan {pipe.last_timing['plan_s'] * 1e3:.0f} ms  "
+                  f"simulated {sim * 1e3:.3f} ms  step {dt * 1e3:.0f} ms", flush=True)
+    if rank == 0 and len(history) >= 10:
+        first = sum(l for l, _ in history[:5]) / 5
+        last = sum(l for l, _ in history[-5:]) / 5
+        print(f"mean loss of the first 5 steps {first:.4f}, of the last 5 steps {last:.4f}", flush=True)
+    return history
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"])
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes) when not under torchrun")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save", default=None, help="write the generated chunk sources to this folder")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        from dipc.launch import init_from_env
+        import torch.distributed as dist
+        init_from_env(timeout=args.timeout)
+        torch.set_num_threads(1)
+        _run(dist.get_rank(), dist.get_world_size(), args)
+        dist.destroy_process_group()
+    else:
+        from dipc.launch import spawn
+        spawn(_run, args.pp, (args,), timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Balanced contiguous cuts and the DIP K_i rule (dipc.passes.partition)."""
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dipc.passes.partition import PartitionError, balanced_cuts, chunks_per_rank_rule
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(0, 100), min_size=1, max_size=9), data=st.data())
+def test_cuts_cover_every_block_once_and_are_optimal(costs, data):
+    n = data.draw(st.integers(1, len(costs)))
+    cuts = balanced_cuts(costs, n)
+    assert len(cuts) == n
+    assert cuts[0][0] == 0 and cuts[-1][1] == len(costs)
+    assert all(lo < hi for lo, hi in cuts)
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+    got = max(sum(costs[lo:hi]) for lo, hi in cuts)
+    # brute force over all cut positions
+    best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (len(costs),)))
+               for c in itertools.combinations(range(1, len(costs)), n - 1))
+    assert got == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
+def test_uneven_layers_are_not_lost():
+    cuts = balanced_cuts([1.0] * 7, 4)
+    assert sorted(b for lo, hi in cuts for b in range(lo, hi)) == list(range(7))
+    assert sorted(hi - lo for lo, hi in cuts) == [1, 2, 2, 2]
+
+
+def test_too_many_chunks_is_an_error():
+    with pytest.raises(PartitionError, match="cannot cut 3 blocks into 4 chunks"):
+        balanced_cuts([1.0, 1.0, 1.0], 4)
+
+
+def test_k_rule_floor_of_latency_ratio():
+    """DIP §2.1: K_i = floor(T_i / T_1), T_1 the fastest module."""
+    assert chunks_per_rank_rule({"vision": 6.75, "text": 10.5}) == {"vision": 1, "text": 1}
+    assert chunks_per_rank_rule({"vision": 1.0, "text": 2.9, "dit": 4.0}) == {"vision": 1, "text": 2, "dit": 4}

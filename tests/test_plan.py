@@ -1,0 +1,119 @@
+"""The plan checker (dipc.plan.validate) and the list scheduler on hand-made stage graphs."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dipc.plan import Action, Plan, PlanError, TensorSpec, validate
+from dipc.schedule import Edge, Stage, StageGraph, list_schedule, lower
+
+T = (TensorSpec("h", (2, 4), "float32"),)
+
+
+def two_rank_plan(recv_tensors=T):
+    """chunk 0 on rank 0 -> chunk 1 on rank 1, one microbatch, forward and backward."""
+    r0 = [Action("F", 0, 0), Action("SEND_F", 0, 0, peer_rank=1, peer_chunk=1, msg=0, tensors=T),
+          Action("RECV_B", 0, 0, peer_rank=1, peer_chunk=1, msg=1, tensors=T), Action("B", 0, 0)]
+    r1 = [Action("RECV_F", 1, 0, peer_rank=0, peer_chunk=0, msg=0, tensors=recv_tensors), Action("F", 1, 0),
+          Action("B", 1, 0), Action("SEND_B", 1, 0, peer_rank=0, peer_chunk=0, msg=1, tensors=T)]
+    deps = {"F:1:0:-1": ["F:0:0:-1"], "B:1:0:-1": ["F:1:0:-1"], "B:0:0:-1": ["B:1:0:-1", "F:0:0:-1"]}
+    return Plan(step=0, chunk_ranks=[0, 1], ranks=[r0, r1], deps=deps)
+
+
+def test_valid_plan_round_trips_text_and_json():
+    p = two_rank_plan()
+    order = validate(p)
+    assert len(order) == 8
+    assert p.to_text() == ("rank 0: 0F0 0SEND_F0->1 0RECV_B0<-1 0B0\n"
+                           "rank 1: 1RECV_F0<-0 1F0 1B0 1SEND_B0->0")
+    q = Plan.from_json(p.to_json())
+    assert q.to_json() == p.to_json() and q.digest() == p.digest()
+
+
+def test_shape_mismatch_is_named():
+    bad = (TensorSpec("h", (2, 5), "float32"),)
+    with pytest.raises(PlanError, match=r"message 0: .*\(2, 4\).*\(2, 5\)"):
+        validate(two_rank_plan(recv_tensors=bad))
+
+
+def test_dtype_mismatch_is_named():
+    bad = (TensorSpec("h", (2, 4), "float16"),)
+    with pytest.raises(PlanError, match="float16"):
+        validate(two_rank_plan(recv_tensors=bad))
+
+
+def test_missing_receive():
+    p = two_rank_plan()
+    p.ranks[1] = [a for a in p.ranks[1] if a.kind != "RECV_F"]
+    with pytest.raises(PlanError, match="no matching receive"):
+        validate(p)
+
+
+def test_deadlock_names_waits():
+    """Each rank's first forward waits on a message the other sends only after its own first forward."""
+    r0 = [Action("RECV_F", 0, 1, peer_rank=1, peer_chunk=1, msg=1, tensors=T), Action("F", 0, 1), Action("F", 0, 0),
+          Action("SEND_F", 0, 0, peer_rank=1, peer_chunk=1, msg=0, tensors=T)]
+    r1 = [Action("RECV_F", 1, 0, peer_rank=0, peer_chunk=0, msg=0, tensors=T), Action("F", 1, 0), Action("F", 1, 1),
+          Action("SEND_F", 1, 1, peer_rank=0, peer_chunk=0, msg=1, tensors=T)]
+    with pytest.raises(PlanError, match=r"deadlock: rank 0 at 0F1 waits on message\(s\) \[1\]; "
+                                        r"rank 1 at 1F0 waits on message\(s\) \[0\]"):
+        validate(Plan(0, [0, 1], [r0, r1], {}))
+
+
+def test_dependency_order_checked():
+    p = two_rank_plan()
+    p.ranks[1] = [p.ranks[1][0], p.ranks[1][2], p.ranks[1][1], p.ranks[1][3]]  # B before F
+    with pytest.raises(PlanError, match="before its dependency"):
+        validate(p)
+
+
+def test_stage_on_wrong_rank():
+    p = two_rank_plan()
+    p.chunk_ranks = [1, 0]
+    with pytest.raises(PlanError, match="lives on rank"):
+        validate(p)
+
+
+def test_out_of_order_pair_messages_rejected():
+    t = T
+    r0 = [Action("F", 0, 0), Action("SEND_F", 0, 0, peer_rank=1, peer_chunk=1, msg=0, tensors=t),
+          Action("F", 0, 1), Action("SEND_F", 0, 1, peer_rank=1, peer_chunk=1, msg=1, tensors=t)]
+    r1 = [Action("RECV_F", 1, 1, peer_rank=0, peer_chunk=0, msg=1, tensors=t),
+          Action("RECV_F", 1, 0, peer_rank=0, peer_chunk=0, msg=0, tensors=t), Action("F", 1, 1), Action("F", 1, 0)]
+    with pytest.raises(PlanError, match="sent in order"):
+        validate(Plan(0, [0, 1], [r0, r1], {}))
+
+
+def chain_graph(p, m, tf=1.0, tb=2.0):
+    """m microbatches through p chunks, chunk r on rank r (uniform stages)."""
+    stages, edges = {}, []
+    for mb in range(m):
+        for c in range(p):
+            for kind, lat in (("F", tf), ("B", tb)):
+                s = Stage(kind, c, mb, -1, c, lat, priority=-mb)
+                stages[s.key] = s
+            edges.append(Edge(f"F:{c}:{mb}:-1", f"B:{c}:{mb}:-1"))
+            if c:
+                edges.append(Edge(f"F:{c-1}:{mb}:-1", f"F:{c}:{mb}:-1", T))
+                edges.append(Edge(f"B:{c}:{mb}:-1", f"B:{c-1}:{mb}:-1", T))
+    return StageGraph(stages, edges)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 7)])
+def test_list_schedule_matches_1f1b_on_uniform_stages(p, m):
+    """On uniform stages the dual-queue interleaver reproduces 1F1B's iteration time (m + p - 1) * (t_f + t_b)."""
+    g = chain_graph(p, m)
+    s = list_schedule(g, p)
+    assert s.iteration_time == pytest.approx((m + p - 1) * 3.0)
+    plan = lower(g, s, list(range(p)))
+    validate(plan)
+    # 1F1B steady state on the last rank: F and B alternate
+    kinds = [a.kind for a in plan.ranks[p - 1] if a.kind in ("F", "B")]
+    assert kinds == ["F", "B"] * m
+
+
+@settings(max_examples=30, deadline=None)
+@given(p=st.integers(1, 4), m=st.integers(1, 6), tf=st.floats(0.1, 3), tb=st.floats(0.1, 3))
+def test_lowered_plans_always_validate(p, m, tf, tb):
+    g = chain_graph(p, m, tf, tb)
+    plan = lower(g, list_schedule(g, p), list(range(p)))
+    validate(plan)
+    assert sum(a.kind in ("F", "B") for acts in plan.ranks for a in acts) == 2 * p * m
