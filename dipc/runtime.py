@@ -532,13 +532,15 @@ class PipelineRuntime:
         return [(self._names_by_id[pid][0], self._param_obj[pid]) for pid in self.local_param_ids]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers under every original name (tied weights under each alias)."""
+        """This rank's parameters and persistent buffers under every original name (tied weights under each alias);
+        buffers no chunk reads are kept by rank 0."""
         out = {}
         for pid in self.local_param_ids:
             for n in self._names_by_id[pid]:
                 out[n] = self._param_obj[pid].detach().clone()
+        persistent = set(self.compiled.model.state_dict(keep_vars=True))
         for n, b in self.compiled.model.named_buffers(remove_duplicate=False):
-            if n in self._local_state_names or self.rank == 0:
+            if n in persistent and (n in self._local_state_names or self.rank == 0):
                 out[n] = b.detach().clone()
         return out
 

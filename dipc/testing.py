@@ -81,7 +81,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol,
                                    msg=lambda m: f"rank {rank} step {i}: loss differs: {m}")
         report["loss"].append(float(loss))
-        report["ref_loss"].append(float(ref_loss))
+        report["ref_loss"].append(float(ref_loss.detach()))
         report["timing"].append(dict(pipe.last_timing))
         for name, p in pipe.named_parameters():
             rp = ref_params[name]

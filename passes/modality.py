@@ -13,8 +13,9 @@ LM head, the loss) follow this documented rule:
    backwards, so values are computed by the module that consumes them - the scatter of image features into the
    text sequence belongs to the text backbone, which keeps encoder chunks free of text work;
 2. *producer rule*: glue nodes whose consumers are all unlabelled (the LM head, the loss, assertions) take the
-   modality of their latest labelled input, walking forwards;
-3. nodes still unlabelled (a graph with no rule match at all) get ``default``.
+   modality of their latest labelled input, walking forwards; rules 1 and 2 repeat until nothing changes;
+3. nodes with no labelled neighbour at all (e.g. an assertion on an input) take the modality of the next labelled
+   node in graph order (else the previous one); a graph no rule matches at all is one modality, ``default``.
 
 Sets ``node.meta["dipc_modality"]`` on every ``call_function`` node and returns the graph.
 """
@@ -87,21 +88,37 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
         m = _rule_modality(module_path(n), rules)
         if m is not None:
             label[n] = m
-    # 1. consumer rule, backwards
     order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = True
+    while changed:  # rules 1 and 2 until nothing changes (a glue chain may need both directions)
+        changed = False
+        for n in reversed(nodes):  # 1. consumer rule, backwards
+            if n in label:
+                continue
+            users = sorted((u for u in n.users if u in label), key=order.__getitem__)
+            if users:
+                label[n] = label[users[0]]
+                changed = True
+        for n in nodes:  # 2. producer rule, forwards
+            if n in label:
+                continue
+            ins = sorted((a for a in n.all_input_nodes if a in label), key=order.__getitem__)
+            if ins:
+                label[n] = label[ins[-1]]
+                changed = True
+    # 3. isolated nodes (e.g. assertions on inputs): the next labelled node in graph order, else the previous
+    nxt = None
     for n in reversed(nodes):
         if n in label:
-            continue
-        users = sorted((u for u in n.users if u in label), key=order.__getitem__)
-        if users:
-            label[n] = label[users[0]]
-    # 2. producer rule, forwards
+            nxt = label[n]
+        elif nxt is not None:
+            label[n] = nxt
+    prev = None
     for n in nodes:
         if n in label:
-            continue
-        ins = sorted((a for a in n.all_input_nodes if a in label), key=order.__getitem__)
-        if ins:
-            label[n] = label[ins[-1]]
+            prev = label[n]
+        elif prev is not None:
+            label[n] = prev
     for n in nodes:
         n.meta["dipc_modality"] = label.get(n, default)
     return graph

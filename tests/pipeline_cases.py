@@ -1,0 +1,71 @@
+"""Models and hand-made batches for the multi-process pipeline tests (importable by spawned ranks)."""
+import torch
+
+from dipc.models import ReferenceT2V, ReferenceVLM, T2VConfig, VLMConfig
+from dipc.models.language import TextConfig
+from dipc.models.vlm import VisionConfig
+
+
+def vlm(tie: bool = False, vision_layers: int = 4, text_layers: int = 4):
+    cfg = VLMConfig.tiny(tie_word_embeddings=tie)
+    cfg.vision = VisionConfig(image_size=16, patch_size=8, dim=32, n_layers=vision_layers, n_heads=2, ffn_dim=64)
+    cfg.text = TextConfig(vocab_size=128, dim=32, n_layers=text_layers, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    return ReferenceVLM(cfg)
+
+
+def vlm_batch(counts, seq, seed, tokens_per_image=4, image_token=127, image_size=16):
+    """``len(counts)`` samples of ``seq`` tokens; sample b holds ``counts[b]`` images (placeholders at 1..)."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(counts)
+    ids = torch.randint(3, 120, (B, seq), generator=g)
+    for b, k in enumerate(counts):
+        assert 1 + k * tokens_per_image < seq
+        ids[b, 1:1 + k * tokens_per_image] = image_token
+    labels = ids.clone()
+    labels[ids == image_token] = -100
+    labels[:, -2:] = -100  # some padding-like ignored positions
+    return {"input_ids": ids, "pixel_values": torch.randn(sum(counts), 3, image_size, image_size, generator=g),
+            "labels": labels}
+
+
+def vlm_batches_mixed():
+    """Example batch, then 3 steps with different sequence lengths; with 2 microbatches each step has a
+    microbatch without images and one whose 3 images form 2 sub-microbatches (B_i = 2)."""
+    return [vlm_batch([1, 1], 12, 0),
+            vlm_batch([2, 1, 0, 0], 20, 1),
+            vlm_batch([0, 0, 3, 1], 24, 2),
+            vlm_batch([1, 2, 0, 0], 16, 3)]
+
+
+def vlm_batches_4ranks():
+    """4 microbatches per step, image counts per microbatch [3, 0, 1, 2] etc."""
+    return [vlm_batch([1, 1], 12, 0),
+            vlm_batch([2, 1, 0, 0, 1, 0, 2, 0], 18, 1),
+            vlm_batch([0, 0, 3, 1, 0, 1, 0, 0], 22, 2),
+            vlm_batch([1, 0, 0, 0, 2, 2, 1, 1], 14, 3)]
+
+
+def t2v():
+    return ReferenceT2V(T2VConfig.tiny())
+
+
+def t2v_batches():
+    from dipc.models.data import t2v_batches as gen
+    return list(gen(T2VConfig.tiny(), 4, 4, 5))
+
+
+def llava():
+    from dipc.models.hf import tiny_llava
+    return tiny_llava(0)
+
+
+def llava_batches_mixed():
+    """LLaVA batches whose microbatches have 0, 1, 2 or 3 images (HF LLaVA fixes the image count at export, so
+    each distinct count is re-captured)."""
+    from dipc.models.hf import tiny_llava_config
+    cfg = tiny_llava_config()
+    tpi = (cfg.vision_config.image_size // cfg.vision_config.patch_size) ** 2
+    size = cfg.vision_config.image_size
+    mk = lambda counts, seq, seed: vlm_batch(counts, seq, seed, tpi, cfg.image_token_id, size)  # noqa: E731
+    return [mk([1, 1], 3 * tpi, 0), mk([2, 1, 0, 0], 4 * tpi, 1), mk([0, 0, 1, 2], 3 * tpi + 2, 2),
+            mk([1, 0, 1, 0], 3 * tpi, 3)]
