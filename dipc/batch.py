@@ -36,7 +36,7 @@ class Instances:
         token_id: the placeholder token id in ``token_key``.
         tokens_per_instance: placeholder tokens per instance (e.g. (image_size / patch)^2).
         token_key: the per-sample token key holding the placeholders.
-        sub_microbatch_size: B_i, instances per sub-microbatch.
+        sub_microbatch_size: B_i, instances per sub-microbatch (default 12, the size DIP chose, PAPER.md §3.6).
         drop_when_empty: drop ``keys`` from a microbatch that has no instance (models that take ``None`` for a
             text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor.
     """
@@ -46,7 +46,7 @@ class Instances:
     token_id: int
     tokens_per_instance: int
     token_key: str = "input_ids"
-    sub_microbatch_size: int = 2
+    sub_microbatch_size: int = 12
     drop_when_empty: bool = False
 
 
@@ -125,6 +125,7 @@ class BatchSpec:
 
     Attributes:
         keys: key -> (ndim, dtype) of the example batch.
+        trailing: instance key -> the example's sizes after dim 0 (to build a 0-instance tensor).
         instances: instance modalities.
         loss: the loss reduction.
     """
@@ -132,6 +133,18 @@ class BatchSpec:
     keys: dict[str, tuple[int, torch.dtype]]
     instances: list[Instances]
     loss: LossReduction
+    trailing: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+
+    def normalize(self, batch: Mapping[str, torch.Tensor]) -> dict:
+        """A shallow copy where an instance key given as ``None`` becomes a 0-instance tensor, as
+        Hugging Face batches without images carry ``pixel_values=None``."""
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
+        out = dict(batch)
+        for k in self.instance_keys:
+            if k in out and out[k] is None:
+                out[k] = torch.empty((0,) + tuple(self.trailing[k]), dtype=self.keys[k][1])
+        return out
 
     @property
     def instance_keys(self) -> set[str]:
@@ -197,6 +210,7 @@ class BatchSpec:
             BatchError: invalid batch (:meth:`validate`), ``n_microbatches`` < 1 or larger than the batch size, or
                 a microbatch with no labelled token under a token-mean loss.
         """
+        batch = self.normalize(batch)
         B, counts = self.validate(batch)
         if not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise BatchError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -242,4 +256,9 @@ class BatchSpec:
 
 def batch_spec_from_example(example: Mapping[str, torch.Tensor], instances: Sequence[Instances],
                             loss: LossReduction) -> BatchSpec:
-    return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in example.items()}, instances=list(instances), loss=loss)
+    inst_keys = {k for i in instances for k in i.keys}
+    for k in inst_keys:
+        if example.get(k) is None:
+            raise BatchError(f"the example batch must hold at least one instance in {k!r}")
+    return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in example.items()}, instances=list(instances), loss=loss,
+                     trailing={k: tuple(example[k].shape[1:]) for k in inst_keys})

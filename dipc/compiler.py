@@ -74,7 +74,7 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
         drop = True  # Hugging Face models take pixel_values=None for text-only batches
     if token_id is None or tpi is None:
         return []
-    b = (sub_size or {}).get("vision", 2)
+    b = (sub_size or {}).get("vision", Instances.sub_microbatch_size)
     return [Instances(modality="vision", keys=("pixel_values",), token_id=int(token_id),
                       tokens_per_instance=int(tpi), sub_microbatch_size=int(b), drop_when_empty=drop)]
 
@@ -293,7 +293,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         modalities: modality -> module path components, e.g. ``{"vision": ["vision_tower",
             "multi_modal_projector"], "text": ["language_model"]}``; default :data:`dipc.passes.modality.DEFAULT_RULES`.
         chunks_per_rank: K_i per modality (default: DIP's rule floor(T_i / T_1), capped by the block count).
-        sub_microbatch_size: B_i per instance modality (default 2).
+        sub_microbatch_size: B_i per instance modality (default 12, the size DIP chose in its sweep, PAPER.md §3.6;
+            the calibrated >=95%-of-peak rule comes with the cost model).
         instances: how instances (images) appear in batches; default detected from ``model.config``
             (``image_token_id``/``image_token_index``, ``tokens_per_image`` or the vision config's patch grid).
         loss: "token_mean", "sample_mean" or a :class:`dipc.batch.LossReduction` (default: token-mean when the

@@ -32,6 +32,9 @@ The paper packs every sequence to exactly 8192 tokens; here each *batch* draws i
 ``[max_seq // 2, max_seq]`` so that the compiler sees a different sequence length ``S`` per batch, and rows are
 right-padded to the longest row of the batch (pad token, label -100).
 
+Text tokens follow a fixed first-order Markov chain (each token is its predecessor's fixed successor with
+probability 0.75, else uniform), so a model can learn something and the training loss falls.
+
 Labels: the token id for text (``bos``, text, ``eos``), -100 for image placeholders and padding. ``eos`` is a real
 target, so every row has a non-ignored label after the next-token shift. Images are numbered in row-major
 (batch, seq) order of their placeholders, and ``pixel_values`` is ``[N, 3, image_size, image_size]`` standard normal.
@@ -156,6 +159,27 @@ def _pack_row(rng: _Rng, budget: int, tokens_per_image: int, max_images: int) ->
     return row
 
 
+#: probability that a text token is its predecessor's fixed successor (see :func:`_markov_text`)
+MARKOV_FOLLOW = 0.75
+
+
+def _successor_table(n: int) -> torch.Tensor:
+    """A fixed permutation of ``range(n)`` (seed 1234, the same for every generator seed): the "grammar"."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(1234))
+
+
+def _markov_text(rng: "_Rng", n: int, text_ids: torch.Tensor, successor: torch.Tensor) -> torch.Tensor:
+    """``n`` text tokens of a first-order Markov chain: each token is its predecessor's fixed successor with
+    probability :data:`MARKOV_FOLLOW`, else uniform.  Token identities mean nothing, but a model can learn the
+    chain, so training loss falls below the uniform ``log(V)`` as it would on real text."""
+    idx = torch.randint(len(text_ids), (n,), generator=rng.g)
+    follow = torch.rand(n, generator=rng.g) < MARKOV_FOLLOW
+    for i in range(1, n):
+        if follow[i]:
+            idx[i] = successor[idx[i - 1]]
+    return text_ids[idx]
+
+
 def interleaved_batches(
     *,
     tokens_per_image: int,
@@ -185,6 +209,7 @@ def interleaved_batches(
     if len(text_ids) == 0:
         raise ValueError("no ordinary token ids left in the vocabulary")
     rng = _Rng(seed)
+    successor = _successor_table(len(text_ids))
     for _ in range(n_batches):
         content_budget = rng.randint(max(3, max_seq // 2), max_seq) - 2  # minus bos and eos
         rows: list[torch.Tensor] = []
@@ -199,7 +224,7 @@ def interleaved_batches(
                     lab.append(torch.full((tokens_per_image,), IGNORE_INDEX))
                     n_images += 1
                 else:
-                    tokens = text_ids[torch.randint(len(text_ids), (n,), generator=rng.g)]
+                    tokens = _markov_text(rng, n, text_ids, successor)
                     ids.append(tokens)
                     lab.append(tokens)
             ids.append(torch.tensor([eos_token_id]))

@@ -63,3 +63,39 @@ def test_reference_diffusion_2_ranks():
 def test_hf_llava_2_ranks_recaptures_image_counts():
     run_case(2, model_fn="pipeline_cases:llava", model_args=(), batches_fn="pipeline_cases:llava_batches_mixed",
              batches_args=(), compile_kwargs={"sub_microbatch_size": {"vision": 2}}, n_microbatches=2)
+
+
+def _bad_batches(rank, world):
+    import torch
+    import dipc
+    import pipeline_cases as pc
+    torch.manual_seed(0)
+    model = pc.vlm()
+    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), world, sub_microbatch_size={"vision": 2})
+    pipe = compiled.runtime(n_microbatches=2, timeout=60)
+    good = pc.vlm_batch([1, 0, 2, 0], 16, 1)
+    wrong_count = dict(good, pixel_values=good["pixel_values"][:1])
+    missing = {k: v for k, v in good.items() if k != "labels"}
+    messages = []
+    for bad in (wrong_count, missing):
+        try:
+            pipe.step(bad)
+        except dipc.BatchError as e:
+            messages.append(str(e))
+    assert all(p.grad is None for p in pipe.parameters()), "a rejected batch left gradients behind"
+    assert pipe.step_index == 0
+    loss = pipe.step(good)  # the group is still usable: nothing was sent for the rejected batches
+    torch.manual_seed(0)
+    whole = pc.vlm()
+    expect = whole(**good)
+    torch.testing.assert_close(loss, expect.detach(), rtol=1e-5, atol=1e-6)
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_bad_batch_raises_on_every_rank_before_communication():
+    msgs = spawn(_bad_batches, 2, timeout=100)
+    for m in msgs:
+        assert len(m) == 2
+        assert "batch['pixel_values'] holds 1 vision instance(s) but 'input_ids' has 12 placeholder tokens" in m[0]
+        assert "missing key(s) ['labels']" in m[1]

@@ -1,0 +1,153 @@
+"""Compile-time behaviour (no process group): modality labels, partition, placement, routing, errors, save,
+and single-process execution of plans (dipc.runtime.run_local) against the unsplit model."""
+import os
+
+import pytest
+import torch
+
+import dipc
+from dipc.batch import BatchError
+from dipc.passes.partition import PartitionError
+from dipc.runtime import run_local
+
+import pipeline_cases as pc
+
+
+@pytest.fixture(scope="module")
+def vlm_compiled():
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 8)
+    return model, dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, chunks_per_rank={"text": 2},
+                               sub_microbatch_size={"vision": 2})
+
+
+def test_every_compute_node_has_a_modality(vlm_compiled):
+    _, c = vlm_compiled
+    g = c.program.capture.graph
+    mods = {n.meta.get("dipc_modality") for n in g.nodes if n.op == "call_function"}
+    assert mods == {"vision", "text"}
+    for n in g.nodes:
+        if n.op != "call_function":
+            continue
+        path = " ".join(v[0] for v in n.meta.get("nn_module_stack", {}).values())
+        if "vision_tower" in path or "multi_modal_projector" in path:
+            assert n.meta["dipc_modality"] == "vision", n
+        if "language_model" in path or "lm_head" in path:
+            assert n.meta["dipc_modality"] == "text", n
+    assert "vision:" in c.modality_report() and "text:" in c.modality_report()
+
+
+def test_vpp_placement_and_balanced_cover(vlm_compiled):
+    _, c = vlm_compiled
+    part = c.partition
+    assert part.chunks_per_rank == {"text": 2, "vision": 1}
+    for m in part.modalities:
+        chunks = part.chunks_of(m)
+        assert len(chunks) == 2 * part.chunks_per_rank[m]
+        for k, ch in enumerate(chunks):
+            assert ch.position == k and ch.rank == k % 2 and ch.segment == k // 2  # chunk k*P + r on rank r
+        covered = [b for ch in chunks for b in range(*ch.blocks)]
+        assert covered == list(range(part.n_blocks[m]))  # every layer once, in order
+    assert part.n_blocks == {"text": 8, "vision": 4}
+
+
+def test_parameters_partitioned_exactly_once(vlm_compiled):
+    model, c = vlm_compiled
+    owned = [n for ch in c.partition.chunks for n in c.chunk_params(ch.index)]
+    assert sorted(owned) == sorted(n for n, _ in model.named_parameters())
+
+
+def test_rope_table_built_once_is_routed_to_every_text_chunk(vlm_compiled):
+    """The reference LM builds cos/sin once (language_model.rotary_emb); chunks that did not build it receive it
+    from the chunk that did, also across non-adjacent chunks."""
+    _, c = vlm_compiled
+    text = c.partition.chunks_of("text")
+    builder = text[0].index
+    g = c.program.capture.graph
+    rope = {n.name for n in g.nodes if "rotary_emb" in " ".join(v[0] for v in n.meta.get("nn_module_stack", {}).values())}
+    assert rope
+    for ch in text[1:]:
+        ins = c.program.chunks[ch.index].inputs
+        routed = [i for i in ins if i.kind == "value" and i.src_chunk == builder]
+        assert routed, f"text chunk {ch.index} receives nothing from chunk {builder}"
+    # chunk 3 (two chunks after the builder) reads values produced by the builder directly
+    far = text[2].index
+    srcs = {i.src_chunk for i in c.program.chunks[far].inputs if i.kind == "value"}
+    assert builder in srcs and text[1].index in srcs
+
+
+def test_describe_and_save(vlm_compiled, tmp_path):
+    _, c = vlm_compiled
+    d = c.describe()
+    assert "K_i=2" in d and "vision" in d and "rank" in d
+    paths = c.save(str(tmp_path))
+    assert len(paths) == len(c.partition.chunks) + 1
+    src = open(paths[0]).read()
+    assert "def forward" in src and "Parameters and buffers" in src
+    assert os.path.exists(tmp_path / "rank1")
+
+
+@pytest.mark.parametrize("counts,n_mb", [([2, 1, 0, 0], 2), ([0, 3, 1, 0], 4), ([1, 1, 1, 1], 1)])
+def test_local_execution_matches_unsplit(vlm_compiled, counts, n_mb):
+    model, c = vlm_compiled
+    batch = pc.vlm_batch(counts, 18, 7)
+    model.zero_grad()
+    ref = model(**batch)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss, plan = run_local(c, batch, n_mb)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    model.zero_grad()
+    assert "RECV_F" in plan.to_text()
+    assert dipc.Plan.from_json(plan.to_json()).digest() == plan.digest()
+
+
+def test_pp_size_too_large_is_a_clear_error():
+    torch.manual_seed(0)
+    with pytest.raises(PartitionError, match=r"pp_size=5 is larger than module '(vision|text)' allows: it has 4"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 5)
+
+
+def test_chunks_per_rank_too_large_is_a_clear_error():
+    torch.manual_seed(0)
+    with pytest.raises(PartitionError, match=r"chunks_per_rank\['text'\]=3 needs 6 chunks but module 'text' has 4"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, chunks_per_rank={"text": 3})
+
+
+def test_bad_batches_are_named(vlm_compiled):
+    _, c = vlm_compiled
+    spec = c.batch_spec
+    good = pc.vlm_batch([1, 0, 2, 0], 16, 1)
+    bad = dict(good)
+    bad["pixel_values"] = good["pixel_values"][:2]
+    with pytest.raises(BatchError, match=r"batch\['pixel_values'\] holds 2 vision instance\(s\) but 'input_ids' has "
+                                         r"12 placeholder tokens \(id 127\) = 3 instance\(s\)"):
+        spec.split(bad, 2)
+    missing = {k: v for k, v in good.items() if k != "labels"}
+    with pytest.raises(BatchError, match=r"missing key\(s\) \['labels'\]"):
+        spec.split(missing, 2)
+    odd = dict(good)
+    odd["input_ids"] = good["input_ids"].clone()
+    odd["input_ids"][0, 1] = 5  # 3 placeholders left in sample 0
+    with pytest.raises(BatchError, match=r"sample\(s\) \[0\] of 'input_ids' hold \[3\] placeholder tokens"):
+        spec.split(odd, 2)
+    with pytest.raises(BatchError, match="n_microbatches=5 is larger than the batch size 4"):
+        spec.split(good, 5)
+    extra = dict(good, attention_mask=torch.ones(4, 16))
+    with pytest.raises(BatchError, match=r"key\(s\) \['attention_mask'\]"):
+        spec.split(extra, 2)
+
+
+def test_microbatches_keep_images_with_their_text(vlm_compiled):
+    _, c = vlm_compiled
+    batch = pc.vlm_batch([2, 0, 3, 1], 16, 1)
+    mbs = c.batch_spec.split(batch, 2)
+    assert [mb.instances["vision"] for mb in mbs] == [2, 4]
+    assert torch.equal(mbs[1].data["pixel_values"], batch["pixel_values"][2:])
+    assert mbs[1].subs["vision"] == [(0, 2), (2, 4)]  # M_i = ceil(4 / 2) near-equal sub-microbatches
+    tokens = sum(int((mb.data["labels"][:, 1:] != -100).sum()) for mb in mbs)
+    assert sum(mb.weight for mb in mbs) == pytest.approx(1.0)
+    assert mbs[0].weight == pytest.approx(int((mbs[0].data["labels"][:, 1:] != -100).sum()) / tokens)
