@@ -8,7 +8,8 @@ from .capture import CaptureError
 from .compiler import CompiledPipeline, Program, compile
 from .plan import Action, Plan, PlanError, TensorSpec, validate
 from .passes.partition import PartitionError
+from . import launch
 
 __all__ = ["compile", "CompiledPipeline", "Program", "Instances", "LossReduction", "BatchError", "CaptureError",
-           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate"]
+           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch"]
 __version__ = "0.1.0"

@@ -122,7 +122,12 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     export_dyn = {k: {d: s for d, s in dims.items() if (k, d) not in tiny} for k, dims in dyn.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
+        try:
+            ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
+        except Exception as e:
+            shapes = {k: list(v.shape) for k, v in batch.items()}
+            raise CaptureError(f"torch.export could not trace {type(model).__name__}(**batch) with batch shapes "
+                               f"{shapes}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     gm = ep.graph_module
     loss_name = _loss_output(ep, loss_key)
 

@@ -176,14 +176,14 @@ class CompiledPipeline:
         prog = self.programs.get(sig)
         if prog is not None:
             return prog
-        changed = [(k, d) for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature) if a != b]
-        key = tuple(changed)
-        if key not in self._warned:
-            self._warned.add(key)
+        changed = sorted({f"{k}.shape[{d}]" if a is not None else f"{k} (absent)"
+                          for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature) if a != b})
+        new = [c for c in changed if c not in self._warned]
+        if new:
+            self._warned.update(new)
             warnings.warn(
-                "dipc: torch.export specialized dim(s) " + ", ".join(f"{k}.shape[{d}]" for k, d in changed) +
-                " of the model's inputs (the model fixes them, e.g. with list(tensor)); dipc re-captures the model once "
-                "per distinct value and caches it", stacklevel=3)
+                f"dipc: the model fixes {', '.join(new)} when traced (e.g. with list(tensor)); dipc re-captures it "
+                "once per distinct value (about one torch.export each) and caches the result", stacklevel=3)
         cap = capture(self.model, data, dynamic=self.dynamic, loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)
         apply_partition(cap.graph, self.partition)

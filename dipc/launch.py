@@ -9,6 +9,7 @@ rank's exception with its traceback in the parent.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import socket
 import traceback
@@ -48,7 +49,9 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout: float, thre
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        buf = io.BytesIO()  # plain bytes: tensors sent through a queue would live in this process's shared memory
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # report everything, including assertion failures in tests
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
@@ -72,7 +75,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
         threads_per_rank: torch intra-op threads per process.
 
     Returns:
-        the per-rank return values of ``fn`` (must be picklable), in rank order.
+        the per-rank return values of ``fn`` (anything ``torch.save`` can write, tensors included), in rank order.
 
     Raises:
         SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
@@ -104,7 +107,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
                                      f"{[procs[r].exitcode for r in dead]})")
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
                 # the others will fail on their timeouts; stop them now

@@ -260,8 +260,10 @@ class Executor:
     the step began are recorded in :attr:`events` for traces.
     """
 
-    def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict):
+    def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict,
+                 device: torch.device | None = None):
         self.rank = rank
+        self.device = device or torch.device("cpu")
         self.w = workload
         self.plan = plan
         self.tr = transport
@@ -272,7 +274,7 @@ class Executor:
         self.out_grads: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (F key, producer F key) -> grads
         self.recv: dict[int, tuple[list, list]] = {}
         self.inbox: dict[str, list[int]] = defaultdict(list)  # stage key -> message ids destined to it
-        self.received: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (stage, peer stage) -> tensors
+        self.received: dict[str, dict[str, dict[str, torch.Tensor]]] = defaultdict(dict)  # stage -> peer -> tensors
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
         self.events: list[tuple[str, str, float, float]] = []
@@ -315,7 +317,7 @@ class Executor:
     def _recv(self, a):
         bufs, works = [], []
         for i, spec in enumerate(a.tensors):
-            buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype))
+            buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
             works.append(self.tr.irecv(buf, a.peer_rank, a.msg * _MAX_TENSORS_PER_MSG + i))
             bufs.append(buf)
         self.recv[a.msg] = (bufs, works, a)
@@ -326,7 +328,7 @@ class Executor:
             bufs, works, a = self.recv.pop(msg)
             for wk in works:
                 self.tr.wait(wk)
-            self.received[(stage, a.peer_stage)] = {s.name: b for s, b in zip(a.tensors, bufs)}
+            self.received[stage][a.peer_stage] = {s.name: b for s, b in zip(a.tensors, bufs)}
 
     # -- compute
     def _forward(self, a):
@@ -346,10 +348,10 @@ class Executor:
                 parts = []
                 for pk, pname in self.w.wiring[fk][inp.name]:
                     pr = self.w.graph.stages[pk].rank
-                    parts.append(self.outputs[pk][pname] if pr == self.rank else self.received[(fk, pk)][pname])
+                    parts.append(self.outputs[pk][pname] if pr == self.rank else self.received[fk][pk][pname])
                 if not parts:
                     shape, dtype = self.w.empty[fk][inp.name]
-                    t = torch.zeros(shape, dtype=dtype)
+                    t = torch.zeros(shape, dtype=dtype, device=self.device)
                 else:
                     t = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts], dim=0)
                 t = t.detach()
@@ -364,8 +366,7 @@ class Executor:
         self.leaves[fk] = leaves
         if cm.loss is not None:
             self.losses[a.mb] = out[cm.loss].detach()
-        for k in [k for k in self.received if k[0] == fk]:
-            del self.received[k]
+        self.received.pop(fk, None)
 
     def _backward(self, a):
         fk = _fkey(a.chunk, a.mb, a.sub)
@@ -375,11 +376,9 @@ class Executor:
         cm = prog.chunks[a.chunk]
         out = self.outputs.pop(fk)
         g = self.grads.pop(fk, {})
-        for (stage, peer), tensors in list(self.received.items()):
-            if stage == bk:
-                for name, t in tensors.items():
-                    g[name] = g[name] + t if name in g else t
-                del self.received[(stage, peer)]
+        for tensors in self.received.pop(bk, {}).values():
+            for name, t in tensors.items():
+                g[name] = g[name] + t if name in g else t
         tensors, grads = [], []
         if cm.loss is not None:
             mb = self.w.microbatches[a.mb]
@@ -472,8 +471,10 @@ class PipelineRuntime:
 
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("dipc runtime needs torch.distributed initialised (e.g. under torchrun, or "
-                               "dipc.launch.spawn); compile and inspect need no process group")
+            raise RuntimeError("dipc runtime needs an initialised process group: call "
+                               "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
+                               "environment it reads, dipc.launch.spawn also initialises it. Compiling and inspecting "
+                               "need no process group")
         self.compiled = compiled
         self.group = group
         self.rank = dist.get_rank(group)
@@ -484,6 +485,9 @@ class PipelineRuntime:
         self.n_microbatches = n_microbatches or 2 * compiled.pp_size
         self.timeout = timeout
         self.transport = _DistTransport(group, timeout)
+        # NCCL moves CUDA tensors: receive buffers and batches go to this process's current CUDA device
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                       else torch.device("cpu"))
         self.step_index = 0
         self.last_plan: Plan | None = None
         self.last_events: list = []
@@ -588,10 +592,13 @@ class PipelineRuntime:
             RuntimeError: a distributed wait exceeded the timeout.
         """
         t0 = time.perf_counter()
+        if self.device.type != "cpu":
+            batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                     for k, v in batch.items()}
         mbs = self.compiled.batch_spec.split(batch, n_microbatches or self.n_microbatches)
         w, plan = self.plan_step(mbs)
         t1 = time.perf_counter()
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}))
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device)
         ex.run()
         ex.finish()
         for pid, grp in self._tied:
@@ -600,7 +607,8 @@ class PipelineRuntime:
                 p.grad = torch.zeros_like(p)
             work = dist.all_reduce(p.grad, group=grp, async_op=True)
             work.wait(self.transport.timeout)
-        local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32))
+        local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32,
+                                                                                  device=self.device))
         loss = local.detach().to(torch.float32).clone()
         work = dist.all_reduce(loss, group=self.group, async_op=True)
         work.wait(self.transport.timeout)

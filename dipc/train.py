@@ -8,8 +8,9 @@
 Every rank builds the model from the same seed (random init, no download), compiles it with :func:`dipc.compile`,
 and trains with AdamW on generated batches whose images per sample and text lengths vary like real interleaved
 image-text data (see :mod:`dipc.models.data` for the published statistics used).  Rank 0 prints per step the loss,
-the microbatches (images in each), the sub-microbatches, the planner's simulated iteration time and the measured
-step time.
+the microbatches (images in each), the sub-microbatches, the planning time (which includes re-capturing the model
+when a batch brings a shape the model fixes, e.g. a new image count for HF LLaVA), the planner's simulated
+iteration time (first, uncalibrated cost estimate) and the measured step time.
 """
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ def _run(rank: int, world: int, args) -> list:
         history.append((float(loss), dt))
         if rank == 0:
             shape = "x".join(str(s) for s in next(iter(batch.values())).shape)
-            print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)} "
-                  f"(images {images})  sub-microbatches {subs}  plan {pipe.last_timing['plan_s'] * 1e3:.0f} ms  "
-                  f"simulated {sim * 1e3:.3f} ms  step {dt * 1e3:.0f} ms", flush=True)
+            enc = f" (images {images})  sub-microbatches {subs}" if compiled.batch_spec.instances else ""
+            print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)}{enc}  "
+                  f"plan {pipe.last_timing['plan_s'] * 1e3:.0f} ms  simulated {sim * 1e3:.3f} ms  "
+                  f"step {dt * 1e3:.0f} ms", flush=True)
     if rank == 0 and len(history) >= 10:
         first = sum(l for l, _ in history[:5]) / 5
         last = sum(l for l, _ in history[-5:]) / 5
@@ -82,7 +84,8 @@ def _run(rank: int, world: int, args) -> list:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"])
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes) when not under torchrun")
     p.add_argument("--steps", type=int, default=30)

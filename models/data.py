@@ -316,6 +316,12 @@ def llava_batches(
         yield batch
 
 
+def _caption_patterns(vocab_size: int, latent_shape) -> torch.Tensor:
+    """One fixed random latent ``[C, F, H, W]`` per token id (seed 4321, the same for every generator seed)."""
+    g = torch.Generator().manual_seed(4321)
+    return torch.randn((vocab_size, *latent_shape), generator=g) * 2.0
+
+
 def t2v_batches(config, n_batches: int, batch_size: int, seed: int) -> Iterator[dict[str, torch.Tensor]]:
     """Batches for :class:`~dipc.models.ReferenceT2V` (``model(**batch)``).
 
@@ -325,7 +331,9 @@ def t2v_batches(config, n_batches: int, batch_size: int, seed: int) -> Iterator[
 
     Yields:
         ``{"input_ids": [B, L] int64, "latents": [B, C, F, H, W], "noise": [B, C, F, H, W],
-        "timesteps": [B] float32 in (0, 1)}``; ``L`` varies per batch. Timesteps are logit-normal
+        "timesteps": [B] float32 in (0, 1)}``; ``L`` varies per batch. A sample's latent is the mean of fixed
+        per-token patterns of its caption plus 0.1 x standard normal noise, so the denoiser can learn to use the text
+        (and the training loss falls, as on real captioned video). Timesteps are logit-normal
         (``sigmoid(N(0, 1))``), the usual sampling for rectified-flow training.
     """
     special = {config.pad_token_id, config.bos_token_id}
@@ -346,7 +354,9 @@ def t2v_batches(config, n_batches: int, batch_size: int, seed: int) -> Iterator[
         for b, r in enumerate(rows):
             input_ids[b, : len(r)] = r
         shape = (batch_size, *config.latent_shape)
-        latents = torch.randn(shape, generator=rng.g)
+        # the "video" a caption describes: the mean of its tokens' fixed patterns, plus a little noise
+        patterns = _caption_patterns(config.vocab_size, config.latent_shape)
+        latents = torch.stack([patterns[r[1:]].mean(0) for r in rows]) + 0.1 * torch.randn(shape, generator=rng.g)
         noise = torch.randn(shape, generator=rng.g)
         timesteps = torch.sigmoid(torch.randn(batch_size, generator=rng.g))
         yield {"input_ids": input_ids, "latents": latents, "noise": noise, "timesteps": timesteps}

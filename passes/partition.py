@@ -97,24 +97,26 @@ class Partition:
 def find_blocks(graph: torch.fx.Graph) -> dict[str, str]:
     """Per modality, the module path whose numbered children are its repeated blocks.
 
-    The container is the ``<path>.<int>`` prefix with the most distinct indices among the modality's nodes; a
-    modality with no numbered module is one block.
+    The container is the ``<path>.<int>`` prefix whose numbered children hold the most compute nodes of the
+    modality (so ``transformer.blocks`` wins over a two-entry ``nn.Sequential`` such as ``transformer.time_mlp``,
+    whose children are single ops); ties go to the first in graph order.  A modality with no numbered module is
+    one block.
     """
-    counts: dict[str, Counter] = defaultdict(Counter)
-    seen: dict[str, set] = defaultdict(set)
+    nodes_in: dict[str, Counter] = defaultdict(Counter)
     for n in graph.nodes:
         m = n.meta.get("dipc_modality")
         if m is None:
             continue
+        seen = set()
         for p in module_path(n):
             mt = _IDX.match(p)
-            if mt and (mt.group(1), mt.group(2)) not in seen[m]:
-                seen[m].add((mt.group(1), mt.group(2)))
-                counts[m][mt.group(1)] += 1
+            if mt and mt.group(1) not in seen:
+                seen.add(mt.group(1))
+                nodes_in[m][mt.group(1)] += 1
     out = {}
-    for m, c in counts.items():
+    for m, c in nodes_in.items():
         best = max(c.values())
-        out[m] = next(p for p, k in c.items() if k == best)  # first in graph order among the largest
+        out[m] = next(p for p, k in c.items() if k == best)
     return out
 
 
