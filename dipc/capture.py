@@ -36,8 +36,8 @@ class Capture:
         state_targets: placeholder name -> (kind, fully qualified name); kind is "parameter", "buffer" or "constant".
         input_keys: placeholder name -> batch key, for the user inputs.
         loss_node: name of the node that computes the scalar loss.
-        specialized: (batch key, dim) pairs that were asked to be dynamic but that torch.export fixed to the example's
-            value (a model-side specialization).
+        specialized: (batch key, dim) pairs that are static in the graph (fixed by the model, by torch.export's 0/1
+            rule, or by the user): a batch with other values there needs another capture, never this graph.
         symbols: placeholder name -> list per dim of the size (an ``int`` or a ``torch.SymInt``).
         signature: the values of the ``specialized`` dims for the traced batch (``None`` where a key was absent).
     """
@@ -167,7 +167,7 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
         val = placeholders[name].meta.get("val") if name in placeholders else None
         if val is None:
             continue
-        for d in dyn.get(key, {}):
+        for d in range(val.dim()):  # every static dim, whether the model or the user fixed it
             size = val.shape[d]
             if isinstance(size, int) or (isinstance(size, torch.SymInt) and size.node.expr.is_number):
                 specialized.append((key, d))

@@ -121,7 +121,7 @@ class CompiledPipeline:
                                  f"{self.partition.modalities}")
         self.specialized = cap.specialized
         self.program = self._program_from(cap)
-        self.programs: dict[tuple, Program] = {cap.signature: self.program}
+        self.programs: list[Program] = [self.program]
         self._check_sub_microbatching(self.program)
 
     # ------------------------------------------------------------------ programs
@@ -167,15 +167,18 @@ class CompiledPipeline:
                                          "chunk: it cannot run on sub-microbatches")
 
     def program_for(self, data: Mapping[str, torch.Tensor]) -> Program:
-        """The program traced for ``data``'s values of the specialized dims (captured on first use, cached).
+        """A program whose graph fits ``data``: every dim static in that capture (fixed by the model, by
+        torch.export's 0/1 rule or by the user) has ``data``'s value.  Captured on first use and cached; a new capture
+        can fix more dims than the first one (e.g. an image count of 1), so each program is checked against its own
+        static dims and no graph ever runs with a stale shape.
 
         Args:
             data: a microbatch, or a sub-microbatch view (instance keys sliced).
         """
+        for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
+            if signature_of(data, prog.capture.specialized) == prog.capture.signature:
+                return prog
         sig = signature_of(data, self.specialized)
-        prog = self.programs.get(sig)
-        if prog is not None:
-            return prog
         changed = sorted({f"{k}.shape[{d}]" if a is not None else f"{k} (absent)"
                           for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature) if a != b})
         new = [c for c in changed if c not in self._warned]
@@ -188,7 +191,7 @@ class CompiledPipeline:
         annotate_modality(cap.graph, self.rules)
         apply_partition(cap.graph, self.partition)
         prog = self._program_from(cap)
-        self.programs[sig] = prog
+        self.programs.append(prog)
         return prog
 
     # ------------------------------------------------------------------ inspection

@@ -151,3 +151,19 @@ def test_microbatches_keep_images_with_their_text(vlm_compiled):
     tokens = sum(int((mb.data["labels"][:, 1:] != -100).sum()) for mb in mbs)
     assert sum(mb.weight for mb in mbs) == pytest.approx(1.0)
     assert mbs[0].weight == pytest.approx(int((mbs[0].data["labels"][:, 1:] != -100).sum()) / tokens)
+
+
+def test_user_fixed_dim_is_recaptured_not_stale():
+    """A dim the user fixes is part of the capture's signature: another value gets its own capture."""
+    torch.manual_seed(0)
+    model = pc.vlm()
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, dynamic={"input_ids": {1: None}, "labels": {1: None}},
+                     sub_microbatch_size={"vision": 2})
+    assert ("input_ids", 1) in c.specialized
+    batch = pc.vlm_batch([1, 0, 2, 0], 15, 4)
+    ref = model(**batch)
+    with pytest.warns(UserWarning, match=r"input_ids.shape\[1\]"):
+        loss, _ = run_local(c, batch, 2)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    # seq 15 with 1 image (export then also fixes the image count to 1) and seq 15 with 2 images
+    assert len(c.programs) == 3
