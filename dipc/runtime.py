@@ -438,6 +438,25 @@ def _modules_of(workload: StepWorkload, ranks) -> dict:
     return mods
 
 
+def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
+    """Parameters of ``ranks``' chunks in this step's captures get a zero gradient when no stage reached them
+    (e.g. the encoder of a step without images, which the unsplit model runs on an empty tensor), as autograd gives
+    the unsplit model; parameters outside those captures keep ``None``, as there (e.g. HF LLaVA's vision tower
+    when ``pixel_values`` is None)."""
+    seen = set()
+    for prog in w.programs.values():
+        if id(prog) in seen:
+            continue
+        seen.add(id(prog))
+        for c, cm in prog.chunks.items():
+            if compiled.partition.chunks[c].rank not in ranks:
+                continue
+            for name in cm.state_names:
+                t = compiled._state.get(name)
+                if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.grad is None:
+                    t.grad = torch.zeros_like(t)
+
+
 def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None):
     """Execute one step of every rank in this process and return ``(loss, plan)``.
 
@@ -454,6 +473,7 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
         ex[r].do(plan.ranks[r][i])
     for e in ex:
         e.finish()
+    zero_unreached_grads(compiled, w, set(range(compiled.pp_size)))
     loss = sum(mb.weight * l for e in ex for m, l in e.losses.items() for mb in [mbs[m]])
     return loss, plan
 
@@ -516,8 +536,10 @@ class PipelineRuntime:
         for pid in self._param_obj:  # same order on every rank (model order)
             rs = tuple(sorted(ranks_by_id[pid]))
             if len(rs) > 1 and rs not in groups:
-                groups[rs] = dist.new_group(list(dist.get_global_rank(self.group, r) if self.group else r
-                                                 for r in rs))
+                # only the member ranks create it, so pipelines inside a larger world (DP x PP) do not wait on
+                # each other
+                groups[rs] = dist.new_group([dist.get_global_rank(self.group, r) if self.group else r for r in rs],
+                                            use_local_synchronization=True)
         self._tied = [(pid, groups[tuple(sorted(ranks_by_id[pid]))]) for pid in self.local_param_ids
                       if len(ranks_by_id[pid]) > 1]
         buf_ids = set()
@@ -595,18 +617,25 @@ class PipelineRuntime:
         if self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
-        mbs = self.compiled.batch_spec.split(batch, n_microbatches or self.n_microbatches)
+        mbs = self.compiled.batch_spec.split(batch, self.n_microbatches if n_microbatches is None else n_microbatches)
         w, plan = self.plan_step(mbs)
         t1 = time.perf_counter()
+        # gradients already in tied weights (accumulation over several steps) are not summed across ranks again
+        before = {pid: (None if self._param_obj[pid].grad is None else self._param_obj[pid].grad.clone())
+                  for pid, _ in self._tied}
         ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device)
         ex.run()
         ex.finish()
+        zero_unreached_grads(self.compiled, w, {self.rank})
         for pid, grp in self._tied:
             p = self._param_obj[pid]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            work = dist.all_reduce(p.grad, group=grp, async_op=True)
+            delta = p.grad if before[pid] is None else p.grad - before[pid]
+            work = dist.all_reduce(delta, group=grp, async_op=True)
             work.wait(self.transport.timeout)
+            if before[pid] is not None:
+                p.grad = before[pid] + delta
         local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32,
                                                                                   device=self.device))
         loss = local.detach().to(torch.float32).clone()

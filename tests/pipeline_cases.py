@@ -29,11 +29,13 @@ def vlm_batch(counts, seq, seed, tokens_per_image=4, image_token=127, image_size
 
 
 def vlm_batches_mixed():
-    """Example batch, then 3 steps with different sequence lengths; with 2 microbatches each step has a
-    microbatch without images and one whose 3 images form 2 sub-microbatches (B_i = 2)."""
+    """Example batch, then 4 steps with different sequence lengths; with 2 microbatches each step has a
+    microbatch without images (one step has none at all) and most have one whose 3 images form 2 sub-microbatches
+    (B_i = 2)."""
     return [vlm_batch([1, 1], 12, 0),
             vlm_batch([2, 1, 0, 0], 20, 1),
             vlm_batch([0, 0, 3, 1], 24, 2),
+            vlm_batch([0, 0, 0, 0], 10, 4),  # no image at all: the encoder's gradients are zeros, as unsplit
             vlm_batch([1, 2, 0, 0], 16, 3)]
 
 
