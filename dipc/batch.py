@@ -125,7 +125,13 @@ class BatchSpec:
 
     Attributes:
         keys: key -> (ndim, dtype) of the example batch.
-        trailing: instance key -> the example's sizes after dim 0 (to build a 0-instance tensor).
+        trailing: instance key -> the example's sizes after dim 0; later batches must keep them (an image size
+            the model cannot take would otherwise fail inside one rank's chunk), except dims in
+            ``variable_trailing`` (declared dynamic by the user).
+        same_shape: groups of per-sample keys with equal shapes in the example (``input_ids`` and ``labels``);
+            they must stay equal.
+        value_ranges: (key, low, high, ignore, what): integer values of ``key`` must lie in ``[low, high)`` (or equal
+            ``ignore``), e.g. token ids in the embedding's vocabulary, class labels of a cross-entropy.
         instances: instance modalities.
         loss: the loss reduction.
     """
@@ -134,6 +140,9 @@ class BatchSpec:
     instances: list[Instances]
     loss: LossReduction
     trailing: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    same_shape: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    variable_trailing: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    value_ranges: list[tuple[str, int, int, int | None, str]] = dataclasses.field(default_factory=list)
 
     def normalize(self, batch: Mapping[str, torch.Tensor]) -> dict:
         """A shallow copy where an instance key given as ``None`` becomes a 0-instance tensor, as
@@ -177,6 +186,25 @@ class BatchSpec:
             if v.dtype != dtype:
                 raise BatchError(f"batch[{k!r}] has dtype {v.dtype}, the example had {dtype}")
         per_sample = [k for k in self.keys if k not in self.instance_keys]
+        for group in self.same_shape:
+            shapes = {k: list(batch[k].shape) for k in group}
+            if len({tuple(v) for v in shapes.values()}) > 1:
+                raise BatchError(f"keys {list(group)} had one shape in the example batch but differ here: {shapes}")
+        for k, trail in self.trailing.items():
+            got = tuple(batch[k].shape[1:])
+            bad = [d + 1 for d, (a, b) in enumerate(zip(got, trail)) if a != b and (k, d + 1) not in self.variable_trailing]
+            if bad:
+                raise BatchError(f"batch[{k!r}] has per-instance shape {list(got)} but the example had {list(trail)} "
+                                 f"(dims {bad}); declare them with dynamic={{{k!r}: {{dim: Dim(...)}}}} if the model "
+                                 "takes other sizes")
+        for k, lo, hi, ignore, what in self.value_ranges:
+            v = batch[k]
+            if v.numel() == 0:
+                continue
+            valid = v if ignore is None else v[v != ignore]
+            if valid.numel() and (int(valid.min()) < lo or int(valid.max()) >= hi):
+                raise BatchError(f"batch[{k!r}] holds values in [{int(valid.min())}, {int(valid.max())}] but {what} "
+                                 f"takes [{lo}, {hi - 1}]" + (f" (or {ignore})" if ignore is not None else ""))
         sizes = {k: batch[k].shape[0] for k in per_sample}
         if len(set(sizes.values())) > 1:
             raise BatchError(f"per-sample keys disagree on the batch size: {sizes}")
@@ -255,10 +283,26 @@ class BatchSpec:
 
 
 def batch_spec_from_example(example: Mapping[str, torch.Tensor], instances: Sequence[Instances],
-                            loss: LossReduction) -> BatchSpec:
+                            loss: LossReduction, variable_trailing=(), value_ranges=()) -> BatchSpec:
+    """The :class:`BatchSpec` of an example batch.
+
+    Raises:
+        BatchError: an instance key is missing from the example, or per-sample keys disagree on the batch size
+            (e.g. images given without declaring them as instances).
+    """
     inst_keys = {k for i in instances for k in i.keys}
     for k in inst_keys:
         if example.get(k) is None:
             raise BatchError(f"the example batch must hold at least one instance in {k!r}")
+    per_sample = [k for k in example if k not in inst_keys]
+    sizes = {k: example[k].shape[0] for k in per_sample if example[k].dim()}
+    if len(set(sizes.values())) > 1:
+        raise BatchError(f"the example batch's per-sample keys disagree on dim 0: {sizes}; keys whose dim 0 counts "
+                         "images (or other instances) must be declared with instances=[dipc.Instances(...)]")
+    groups: dict[tuple, list[str]] = {}
+    for k in per_sample:
+        groups.setdefault(tuple(example[k].shape), []).append(k)
     return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in example.items()}, instances=list(instances), loss=loss,
-                     trailing={k: tuple(example[k].shape[1:]) for k in inst_keys})
+                     trailing={k: tuple(example[k].shape[1:]) for k in inst_keys},
+                     same_shape=[tuple(g) for g in groups.values() if len(g) > 1],
+                     variable_trailing=set(variable_trailing), value_ranges=list(value_ranges))

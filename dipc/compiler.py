@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import sympy
 import torch
+import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
 from .capture import Capture, capture, signature_of
@@ -54,6 +55,55 @@ class Program:
             if key in data:
                 out[sym] = int(data[key].shape[dim])
         return out
+
+
+_TRANSPARENT = {"view", "reshape", "_unsafe_view", "slice", "contiguous", "clone", "to", "_to_copy", "alias",
+                "unsqueeze", "squeeze", "flatten", "expand", "permute", "transpose", "select", "roll",
+                "constant_pad_nd", "pad", "lift_fresh_copy", "detach"}
+
+
+def _source_key(node, cap: Capture) -> str | None:
+    """The batch key whose values reach ``node`` unchanged (through views, slices, casts, pads), if any."""
+    for _ in range(32):
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if node.op == "placeholder":
+            return cap.input_keys.get(node.name)
+        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if name not in _TRANSPARENT or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _static(x):
+    if isinstance(x, torch.SymInt) and x.node.expr.is_number:
+        return int(x.node.expr)
+    return x
+
+
+def index_ranges(cap: Capture) -> list[tuple[str, int, int, int | None, str]]:
+    """Value ranges the model needs of integer batch keys: embedding indices < vocabulary size, cross-entropy
+    targets < number of classes (or the ignore index).  Checked on every rank before any communication."""
+    out = []
+    for n in cap.graph.nodes:
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "") if n.op == "call_function" else ""
+        try:
+            if name == "embedding":
+                key = _source_key(n.args[1], cap)
+                vocab = _static(n.args[0].meta["val"].shape[0])
+                if key and isinstance(vocab, int):
+                    out.append((key, 0, vocab, None, f"embedding {n.name} (vocabulary {vocab})"))
+            elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward"):
+                key = _source_key(n.args[1], cap)
+                logits = n.args[0].meta["val"]
+                classes = _static(logits.shape[1] if logits.dim() > 1 else logits.shape[0])
+                ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
+                if key and isinstance(classes, int) and isinstance(ignore, int):
+                    out.append((key, 0, classes, ignore, f"the loss {n.name} ({classes} classes)"))
+        except (AttributeError, IndexError, KeyError, TypeError):
+            continue
+    return out
 
 
 def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
@@ -103,7 +153,9 @@ class CompiledPipeline:
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
         self.dynamic = dynamic
         self.loss_key = loss_key
-        self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss)
+        inst_keys = {k for i in instances for k in i.keys}
+        variable = {(k, d) for k, dims in (dynamic or {}).items() if k in inst_keys
+                    for d, spec in dims.items() if spec is not None}
         self._state: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             self._state[name] = p
@@ -112,7 +164,15 @@ class CompiledPipeline:
         self._build = build
         self._warned: set = set()
         cap = capture(model, example_batch, dynamic=dynamic, loss_key=loss_key)
+        self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss, variable,
+                                                             index_ranges(cap))
         annotate_modality(cap.graph, self.rules)
+        if modalities is not None:
+            found = set(modality_summary(cap.graph))
+            unused = [m for m in modalities if m not in found]
+            if unused:
+                raise ValueError(f"modalities rule(s) {[(m, list(modalities[m])) for m in unused]} match no module "
+                                 f"of {type(model).__name__}; the graph's modalities are {sorted(found)}")
         annotate_cost(cap.graph)
         self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank)
         for inst in instances:
@@ -313,7 +373,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         dipc.capture.CaptureError: the model cannot be exported or returns no loss.
         dipc.batch.BatchError: an instance declaration does not fit the model.
     """
-    if not isinstance(pp_size, int) or pp_size < 1:
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
@@ -321,6 +381,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         instances = [dataclasses.replace(i, sub_microbatch_size=sub_microbatch_size.get(i.modality,
                                                                                        i.sub_microbatch_size))
                      for i in instances]
+    unknown = sorted(set(sub_microbatch_size or {}) - {i.modality for i in instances})
+    if unknown:
+        raise ValueError(f"sub_microbatch_size names {unknown}, but the instance modalities are "
+                         f"{[i.modality for i in instances]}")
     for i in instances:
         if i.sub_microbatch_size < 1:
             raise ValueError(f"sub_microbatch_size for {i.modality!r} must be >= 1, got {i.sub_microbatch_size}")

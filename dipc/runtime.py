@@ -502,7 +502,7 @@ class PipelineRuntime:
         if self.world != compiled.pp_size:
             raise RuntimeError(f"the process group has {self.world} ranks but the pipeline was compiled for "
                                f"pp_size={compiled.pp_size}")
-        self.n_microbatches = n_microbatches or 2 * compiled.pp_size
+        self.n_microbatches = 2 * compiled.pp_size if n_microbatches is None else n_microbatches
         self.timeout = timeout
         self.transport = _DistTransport(group, timeout)
         # NCCL moves CUDA tensors: receive buffers and batches go to this process's current CUDA device

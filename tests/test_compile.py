@@ -136,6 +136,17 @@ def test_bad_batches_are_named(vlm_compiled):
         spec.split(odd, 2)
     with pytest.raises(BatchError, match="n_microbatches=5 is larger than the batch size 4"):
         spec.split(good, 5)
+    vocab = dict(good, input_ids=good["input_ids"].clone())
+    vocab["input_ids"][2, 9] = 500
+    with pytest.raises(BatchError, match=r"batch\['input_ids'\] holds values in \[\d+, 500\] but embedding .* "
+                                         r"\(vocabulary 128\) takes \[0, 127\]"):
+        spec.split(vocab, 2)
+    short = dict(good, labels=good["labels"][:, :-1])
+    with pytest.raises(BatchError, match=r"keys \['input_ids', 'labels'\] had one shape in the example batch"):
+        spec.split(short, 2)
+    big = dict(good, pixel_values=torch.randn(3, 3, 32, 32))
+    with pytest.raises(BatchError, match=r"per-instance shape \[3, 32, 32\] but the example had \[3, 16, 16\]"):
+        spec.split(big, 2)
     extra = dict(good, attention_mask=torch.ones(4, 16))
     with pytest.raises(BatchError, match=r"key\(s\) \['attention_mask'\]"):
         spec.split(extra, 2)
@@ -167,3 +178,17 @@ def test_user_fixed_dim_is_recaptured_not_stale():
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     # seq 15 with 1 image (export then also fixes the image count to 1) and seq 15 with 2 images
     assert len(c.programs) == 3
+
+
+def test_bad_options_are_named():
+    torch.manual_seed(0)
+    model, ex = pc.vlm(), pc.vlm_batch([1, 1], 12, 0)
+    with pytest.raises(ValueError, match="pp_size must be a positive int, got True"):
+        dipc.compile(model, ex, True)
+    with pytest.raises(ValueError, match=r"sub_microbatch_size names \['visoin'\]"):
+        dipc.compile(model, ex, 2, sub_microbatch_size={"visoin": 2})
+    with pytest.raises(ValueError, match=r"modalities rule\(s\) \[\('audio', \['audio_tower'\]\)\] match no module"):
+        dipc.compile(model, ex, 2, modalities={"vision": ["vision_tower", "multi_modal_projector"],
+                                               "text": ["language_model"], "audio": ["audio_tower"]})
+    with pytest.raises(dipc.CaptureError, match="torch.export could not trace ReferenceVLM"):
+        dipc.compile(model, {k: v for k, v in ex.items() if k != "labels"}, 2)
