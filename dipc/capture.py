@@ -157,7 +157,8 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     out = next(n for n in graph.nodes if n.op == "output")
     loss_node = next(n for n in graph.nodes if n.name == loss_name)
     out.args = ((loss_node,),)
-    graph.eliminate_dead_code()
+    _prune_to_loss(graph, {n for n in graph.nodes if n.op == "placeholder" and n.name in state_targets
+                           and state_targets[n.name][0] == "parameter"})
     gm.recompile()
 
     # dims that were requested dynamic but came out static
@@ -174,6 +175,42 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     signature = tuple(batch[k].shape[d] for k, d in specialized)
     return Capture(graph_module=gm, state_targets=state_targets, input_keys=input_keys, loss_node=loss_name,
                    specialized=specialized, signature=signature, constants=dict(ep.constants))
+
+
+_ASSERTS = {"_assert_scalar", "_assert_async", "sym_constrain_range", "sym_constrain_range_for_size",
+            "_assert_tensor_metadata"}
+
+
+def _ancestors(nodes) -> set:
+    seen, stack = set(), list(nodes)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _prune_to_loss(graph: torch.fx.Graph, params: set) -> None:
+    """Keep what the loss needs, plus shape/value assertions on the inputs; drop everything else, including ops
+    torch.fx's dead-code elimination keeps as impure (attention with a dropout argument) - e.g. the last ViT layer
+    when image features come from layer -2.  Assertions that would need dropped parameter work are dropped too,
+    as are dtype/device metadata assertions (the runtime checks the batch's dtypes itself)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    live = _ancestors([out])
+    with_params = set()
+    for n in graph.nodes:
+        if n in params or any(a in with_params for a in n.all_input_nodes):
+            with_params.add(n)
+    for n in graph.nodes:
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "") if n.op == "call_function" else ""
+        if name in _ASSERTS and name != "_assert_tensor_metadata" and n not in live:
+            anc = _ancestors([n])
+            if not ((anc - live) & with_params):
+                live |= anc
+    for n in reversed(list(graph.nodes)):
+        if n not in live and n.op != "placeholder" and n.op != "output":
+            graph.erase_node(n)
 
 
 def signature_of(batch: Mapping[str, torch.Tensor], specialized: list[tuple[str, int]]) -> tuple:

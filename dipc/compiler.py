@@ -41,12 +41,15 @@ class Program:
         chunks: chunk index -> :class:`dipc.codegen.stage.ChunkModule` (chunks with no node here are absent).
         bindings: (symbol, batch key, dim) triples: how to read each input-size symbol off a batch.
         boundary: modality -> names of the values its chunks hand to other modalities' chunks, in graph order.
+        loss_params: fully qualified names of the parameters the loss depends on (autograd gives them a gradient,
+            zero or not, in the unsplit model).
     """
 
     capture: Capture
     chunks: dict[int, ChunkModule]
     bindings: list[tuple[sympy.Symbol, str, int]]
     boundary: dict[str, list[str]]
+    loss_params: set[str] = dataclasses.field(default_factory=set)
 
     def bind(self, data: Mapping[str, torch.Tensor]) -> dict[sympy.Symbol, int]:
         """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view)."""
@@ -209,7 +212,16 @@ class CompiledPipeline:
         order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
         for m in boundary:
             boundary[m].sort(key=order.__getitem__)
-        return Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary)
+        loss_params, stack, seen = set(), [next(n for n in cap.graph.nodes if n.name == cap.loss_node)], set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and cap.state_targets.get(n.name, ("",))[0] == "parameter":
+                loss_params.add(cap.state_targets[n.name][1])
+            stack.extend(n.all_input_nodes)
+        return Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params)
 
     def _check_sub_microbatching(self, prog: Program) -> None:
         """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""

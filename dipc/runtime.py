@@ -453,7 +453,8 @@ def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
                 continue
             for name in cm.state_names:
                 t = compiled._state.get(name)
-                if isinstance(t, torch.nn.Parameter) and t.requires_grad and t.grad is None:
+                if (name in prog.loss_params and isinstance(t, torch.nn.Parameter) and t.requires_grad
+                        and t.grad is None):
                     t.grad = torch.zeros_like(t)
 
 

@@ -16,7 +16,7 @@ __all__ = ["tiny_llava_config", "tiny_llava"]
 def tiny_llava_config(
     image_size: int = 16,
     patch_size: int = 8,
-    vision_layers: int = 2,
+    vision_layers: int = 3,
     text_layers: int = 2,
     vocab_size: int = 128,
     attn_implementation: str = "sdpa",
@@ -24,7 +24,8 @@ def tiny_llava_config(
     """A ``transformers.LlavaConfig`` small enough to run in milliseconds on CPU.
 
     Vision: CLIP ViT, ``image_size`` 16, patch 8 (so ``(16 // 8) ** 2 = 4`` tokens per image with the default
-    feature strategy, which drops CLS), width 32, 2 layers, 2 heads. Text: Llama, width 32, 2 layers, 4 heads, 2 KV
+    feature strategy, which drops CLS), width 32, 3 layers (LLaVA takes features from layer -2, so the loss
+    reaches 2 of them), 2 heads. Text: Llama, width 32, 2 layers, 4 heads, 2 KV
     heads, vocabulary 128. ``image_token_id = vocab_size - 1`` (inside the vocabulary), ``pad_token_id`` 0,
     ``bos_token_id`` 1, ``eos_token_id`` 2, ``use_cache=False``. ``attn_implementation="sdpa"`` (plain
     ``torch.nn.functional.scaled_dot_product_attention``) is set on all sub-configs; it traces under
