@@ -9,7 +9,8 @@ from .compiler import CompiledPipeline, Program, compile
 from .plan import Action, Plan, PlanError, TensorSpec, validate
 from .passes.partition import PartitionError
 from . import launch
+from .simulate import simulate, simulate_plan, SimResult
 
 __all__ = ["compile", "CompiledPipeline", "Program", "Instances", "LossReduction", "BatchError", "CaptureError",
-           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch"]
+           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate", "simulate_plan", "SimResult"]
 __version__ = "0.1.0"

@@ -88,11 +88,13 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
     edges: dict[tuple[str, str], list[TensorSpec]] = {}
 
     def add_stage(c, m, s, prog, view, units):
-        lat = compiled.chunk_latency(c) * units / max(ex_units[mod_of[c]], 1e-12)
+        ratio = units / max(ex_units[mod_of[c]], 1e-12)
+        lat = compiled.chunk_latency(c) * ratio
+        act = part.chunks[c].cost.activation_bytes * ratio
         prio = -m
         for kind, mult in (("F", 1.0), ("B", 2.0)):
             st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat * mult, priority=prio,
-                       modality=mod_of[c])
+                       activation_bytes=act, modality=mod_of[c])
             stages[st.key] = st
         k = _fkey(c, m, s)
         programs[k] = prog
@@ -581,6 +583,19 @@ class PipelineRuntime:
         return out
 
     # -- step
+    def trace_events(self) -> list[dict]:
+        """Every rank's measured actions of the last step, as trace events for :mod:`dipc.trace` (a collective:
+        call it on every rank).  Times are seconds from each rank's start of execution (after plan delivery)."""
+        mod_of = {c.index: c.modality for c in self.compiled.partition.chunks}
+        mine = []
+        for kind, tok, s, e in self.last_events:
+            chunk = int(tok.split(kind)[0]) if tok.split(kind)[0].isdigit() else -1
+            mine.append({"rank": self.rank, "start": s, "end": e, "name": tok, "kind": kind,
+                         "modality": mod_of.get(chunk, "")})
+        parts = [None] * self.world
+        dist.all_gather_object(parts, mine, group=self.group)
+        return [e for p in parts for e in p]
+
     def plan_step(self, microbatches: list[Microbatch]) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make) its plan; checks step and digest."""
         w = build_workload(self.compiled, microbatches)

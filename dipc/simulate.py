@@ -1,0 +1,167 @@
+"""Stage-level simulation of a plan: iteration time, per-rank busy intervals, bubbles and peak memory.
+
+DIP's planner scores schedules by simulated iteration time (shared/PAPER.md §2.6, "Timeline"; §2.4 uses the same
+stage latencies).  :func:`simulate_plan` replays a :class:`dipc.plan.Plan` exactly as the executor runs it:
+
+* each rank runs its actions in order; ``F`` / ``B`` take their stage latency;
+* ``SEND`` never blocks: the message arrives ``comm_time(tensors)`` seconds after the send is issued;
+* a compute action starts when its rank is free and every message addressed to its stage has arrived;
+* memory: every rank holds ``static_bytes`` (parameters, gradients, optimizer state) and each forward stage's
+  ``activation_bytes`` from its start until the end of its backward; the peak of the sum is reported.
+
+A plan that cannot finish (a receive whose send comes after it on the waiting chain) raises
+:class:`dipc.plan.PlanError` naming, for each blocked rank, the action and the messages it waits on.
+
+:func:`simulate` is the convenience entry: it splits a batch, builds the step's stages with the compiled
+pipeline's cost estimate and schedules it, then simulates that plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Callable, Mapping, Sequence
+
+from .plan import COMPUTE, RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key
+
+__all__ = ["SimResult", "simulate_plan", "simulate"]
+
+
+@dataclasses.dataclass
+class SimResult:
+    """Simulated step.
+
+    Attributes:
+        iteration_time: seconds from the first action to the last one's end.
+        busy: per rank, ``(start, end, token, kind)`` of each compute action, in seconds.
+        bubble_ratio: idle share of all ranks over the iteration: ``1 - busy time / (P * iteration_time)``.
+        rank_bubble: per rank, its idle share of the iteration.
+        peak_memory: per rank, bytes: ``static_bytes`` + the largest sum of live activations.
+        memory_timeline: per rank, ``(time, bytes)`` points where its memory changes.
+    """
+
+    iteration_time: float
+    busy: list[list[tuple[float, float, str, str]]]
+    bubble_ratio: float
+    rank_bubble: list[float]
+    peak_memory: list[float]
+    memory_timeline: list[list[tuple[float, float]]]
+
+    def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
+        """Compute actions as trace events (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``."""
+        out = []
+        for r, spans in enumerate(self.busy):
+            for s, e, tok, kind in spans:
+                chunk = int(tok.split(kind)[0]) if kind in tok else -1
+                out.append({"rank": r, "start": s, "end": e, "name": tok, "kind": kind,
+                            "modality": (modality_of or {}).get(chunk, "")})
+        return out
+
+
+def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
+                  activation_bytes: Mapping[str, float] | None = None,
+                  static_bytes: Sequence[float] | None = None,
+                  comm_time: Callable[[Sequence[TensorSpec]], float] | None = None) -> SimResult:
+    """Replay ``plan`` with stage latencies (see the module docstring).
+
+    Args:
+        plan: the plan.
+        latency: stage key (``F:chunk:mb:sub`` / ``B:...``) -> seconds.  A missing stage raises ``KeyError``.
+        activation_bytes: forward stage key -> bytes its activations occupy until its backward ends (default 0).
+        static_bytes: per rank, bytes held all the time (default 0).
+        comm_time: seconds for one message's tensors to arrive (default: instantaneous).
+
+    Returns:
+        a :class:`SimResult`.
+
+    Raises:
+        PlanError: the plan deadlocks (each blocked rank's action and awaited messages are named).
+    """
+    comm_time = comm_time or (lambda tensors: 0.0)
+    act = activation_bytes or {}
+    n = plan.n_ranks
+    static = list(static_bytes) if static_bytes is not None else [0.0] * n
+    incoming: dict[str, list[int]] = defaultdict(list)
+    for acts in plan.ranks:
+        for a in acts:
+            if a.kind in RECVS:
+                incoming[a.stage].append(a.msg)
+    arrive: dict[int, float] = {}
+    posted: set[int] = set()
+    clock = [0.0] * n
+    pc = [0] * n
+    busy: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
+    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    f_start: dict[str, float] = {}
+    total = sum(len(a) for a in plan.ranks)
+    done = 0
+    while done < total:
+        progressed = False
+        for r, acts in enumerate(plan.ranks):
+            while pc[r] < len(acts):
+                a = acts[pc[r]]
+                if a.kind in COMPUTE:
+                    msgs = incoming[a.stage]
+                    if not all(m in arrive and m in posted for m in msgs):
+                        break
+                    start = max([clock[r]] + [arrive[m] for m in msgs])
+                    end = start + latency[a.stage]
+                    busy[r].append((start, end, str(a), a.kind))
+                    clock[r] = end
+                    if a.kind == "F":
+                        f_start[a.stage] = start
+                        mem_events[r].append((start, act.get(a.stage, 0.0)))
+                    else:
+                        fk = stage_key("F", a.chunk, a.mb, a.sub)
+                        mem_events[r].append((end, -act.get(fk, 0.0)))
+                elif a.kind in SENDS:
+                    arrive[a.msg] = clock[r] + comm_time(a.tensors)
+                else:
+                    posted.add(a.msg)
+                pc[r] += 1
+                done += 1
+                progressed = True
+        if not progressed:
+            waits = []
+            for r, acts in enumerate(plan.ranks):
+                if pc[r] < len(acts):
+                    a = acts[pc[r]]
+                    missing = [m for m in incoming[a.stage] if m not in arrive or m not in posted]
+                    waits.append(f"rank {r} at {a} waits on message(s) {missing}")
+            raise PlanError("deadlock: " + "; ".join(waits))
+    it = max((s[1] for spans in busy for s in spans), default=0.0)
+    busy_time = [sum(e - s for s, e, _, _ in spans) for spans in busy]
+    rank_bubble = [1.0 - b / it if it > 0 else 0.0 for b in busy_time]
+    bubble = 1.0 - sum(busy_time) / (n * it) if it > 0 else 0.0
+    peaks, timelines = [], []
+    for r in range(n):
+        level, peak, tl = static[r], static[r], [(0.0, static[r])]
+        # frees at time t happen after allocations at the same t only if they belong to a later stage; sort so that
+        # at equal times frees come first (a backward ending as the next forward starts)
+        for t, d in sorted(mem_events[r], key=lambda x: (x[0], x[1] > 0)):
+            level += d
+            peak = max(peak, level)
+            tl.append((t, level))
+        peaks.append(peak)
+        timelines.append(tl)
+    return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
+                     memory_timeline=timelines)
+
+
+def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None) -> tuple[SimResult, Plan]:
+    """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
+
+    Stage latencies are those the planner used (:meth:`dipc.CompiledPipeline.chunk_latency` scaled by the
+    stage's tokens or instances; backward = 2 x forward); activation bytes of a forward stage are the estimated
+    activation bytes of its chunk scaled the same way.
+
+    Returns:
+        ``(result, plan)``.
+    """
+    from .runtime import build_workload, make_plan
+
+    mbs = compiled.batch_spec.split(batch, n_microbatches)
+    w = build_workload(compiled, mbs)
+    plan = make_plan(compiled, w, 0)
+    lat = {k: s.latency for k, s in w.graph.stages.items()}
+    act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
+    return simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes), plan

@@ -1,0 +1,101 @@
+"""The stage simulator (dipc.simulate) on hand-computable schedules, and the trace writers."""
+import json
+
+import pytest
+
+from dipc.plan import PlanError, TensorSpec
+from dipc.schedule import Edge, Schedule, Stage, StageGraph, lower
+from dipc.simulate import simulate_plan
+from dipc.trace import chrome_trace, gantt_png
+
+T = (TensorSpec("h", (4, 8), "float32"),)
+
+
+def chain(p, m, tf, tb):
+    stages, edges = {}, []
+    for mb in range(m):
+        for c in range(p):
+            for kind, lat in (("F", tf), ("B", tb)):
+                s = Stage(kind, c, mb, -1, c, lat)
+                stages[s.key] = s
+            edges.append(Edge(f"F:{c}:{mb}:-1", f"B:{c}:{mb}:-1"))
+            if c:
+                edges.append(Edge(f"F:{c-1}:{mb}:-1", f"F:{c}:{mb}:-1", T))
+                edges.append(Edge(f"B:{c}:{mb}:-1", f"B:{c-1}:{mb}:-1", T))
+    return StageGraph(stages, edges)
+
+
+def gpipe_order(p, m):
+    return [[f"F:{r}:{i}:-1" for i in range(m)] + [f"B:{r}:{i}:-1" for i in range(m)] for r in range(p)]
+
+
+def one_f_one_b_order(p, m):
+    out = []
+    for r in range(p):
+        warm = min(p - r - 1, m)
+        order = [f"F:{r}:{i}:-1" for i in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            if f < m:
+                order.append(f"F:{r}:{f}:-1")
+                f += 1
+            order.append(f"B:{r}:{b}:-1")
+            b += 1
+        out.append(order)
+    return out
+
+
+def run(p, m, tf, tb, order):
+    g = chain(p, m, tf, tb)
+    plan = lower(g, Schedule(order=order, start={k: 0.0 for k in g.stages}, end={}), list(range(p)))
+    lat = {k: s.latency for k, s in g.stages.items()}
+    act = {k: 1.0 for k in g.stages if k.startswith("F")}
+    return simulate_plan(plan, lat, activation_bytes=act, static_bytes=[10.0] * p)
+
+
+@pytest.mark.parametrize("p,m,tf,tb", [(2, 4, 1.0, 2.0), (4, 8, 1.0, 2.0), (4, 4, 0.5, 1.0), (3, 7, 2.0, 3.0)])
+def test_gpipe_and_1f1b_iteration_time_and_bubbles(p, m, tf, tb):
+    for order in (gpipe_order(p, m), one_f_one_b_order(p, m)):
+        r = run(p, m, tf, tb, order)
+        assert r.iteration_time == pytest.approx((m + p - 1) * (tf + tb))
+        assert r.bubble_ratio == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_peak_activation_memory_1f1b_vs_gpipe(p, m):
+    """Rank 0 holds p microbatches' activations under 1F1B and all m under GPipe (plus its static bytes)."""
+    assert run(p, m, 1.0, 2.0, one_f_one_b_order(p, m)).peak_memory[0] == pytest.approx(10.0 + p)
+    assert run(p, m, 1.0, 2.0, gpipe_order(p, m)).peak_memory[0] == pytest.approx(10.0 + m)
+
+
+def test_comm_time_delays_consumers():
+    g = chain(2, 1, 1.0, 1.0)
+    plan = lower(g, Schedule(order=gpipe_order(2, 1), start={k: 0.0 for k in g.stages}, end={}), [0, 1])
+    lat = {k: s.latency for k, s in g.stages.items()}
+    r = simulate_plan(plan, lat, comm_time=lambda tensors: 0.25 * len(tensors))
+    assert r.iteration_time == pytest.approx(4.5)  # F0, send .25, F1, B1, send .25, B0
+
+
+def test_deadlock_is_reported():
+    g = chain(2, 2, 1.0, 1.0)
+    order = gpipe_order(2, 2)
+    order[1] = [order[1][1], order[1][0]] + order[1][2:]  # rank 1 runs mb 1 first
+    plan = lower(g, Schedule(order=order, start={k: 0.0 for k in g.stages}, end={}), [0, 1])
+    # posting receives in send order still lets rank 1 run mb 1 first: no deadlock, just a later start
+    r = simulate_plan(plan, {k: 1.0 for k in g.stages})
+    assert r.iteration_time > 0
+    plan.ranks[0] = [a for a in plan.ranks[0] if not (a.kind == "SEND_F" and a.mb == 1)]
+    with pytest.raises(PlanError, match=r"deadlock: rank 0 at 0B0 waits on .*; rank 1 at 1F1 waits on message\(s\) \[1\]"):
+        simulate_plan(plan, {k: 1.0 for k in g.stages})
+
+
+def test_trace_and_gantt(tmp_path):
+    r = run(2, 3, 1.0, 2.0, one_f_one_b_order(2, 3))
+    ev = r.events({0: "vision", 1: "text"})
+    tr = chrome_trace(ev)
+    xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == 12 and {e["pid"] for e in xs} == {0, 1}
+    assert xs[0]["ts"] == 0.0 and xs[0]["dur"] == pytest.approx(1e6)
+    json.dumps(tr)
+    path = gantt_png(ev, str(tmp_path / "g.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
