@@ -24,9 +24,9 @@ import dataclasses
 import hashlib
 import json
 from collections import defaultdict
-from typing import Iterable
+from typing import Callable, Iterable
 
-__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "stage_key"]
+__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -256,29 +256,30 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
     return dry_run(plan)
 
 
-def dry_run(plan: Plan) -> list[tuple[int, int]]:
-    """Execute the plan symbolically: sends never block, a compute action waits until every message addressed to
-    its stage has been sent and its receive posted.
+def incoming_messages(plan: Plan) -> dict[str, list[int]]:
+    """Stage key -> ids of the messages its compute action waits for."""
+    incoming: dict[str, list[int]] = defaultdict(list)
+    for acts in plan.ranks:
+        for a in acts:
+            if a.kind in RECVS:
+                incoming[a.stage].append(a.msg)
+    return incoming
 
-    Returns:
-        the global order in which actions ran.
+
+def replay(plan: Plan, visit: Callable[[int, int, "Action"], None]) -> None:
+    """Run the plan's semantics symbolically and call ``visit(rank, index, action)`` for each action in an order
+    that respects them: sends never block; a compute action runs once every message addressed to its stage has
+    been sent and its receive posted.  Shared by :func:`dry_run` and the simulator.
 
     Raises:
         PlanError: deadlock, naming each blocked rank's action and the messages it waits on.
     """
-    incoming: dict[str, list[int]] = defaultdict(list)
-    recv_stage: dict[int, str] = {}
-    for r, acts in enumerate(plan.ranks):
-        for a in acts:
-            if a.kind in RECVS:
-                incoming[a.stage].append(a.msg)
-                recv_stage[a.msg] = a.stage
+    incoming = incoming_messages(plan)
     sent: set[int] = set()
     posted: set[int] = set()
     pc = [0] * plan.n_ranks
-    order: list[tuple[int, int]] = []
-    total = sum(len(a) for a in plan.ranks)
-    while len(order) < total:
+    left = sum(len(a) for a in plan.ranks)
+    while left:
         progressed = False
         for r, acts in enumerate(plan.ranks):
             while pc[r] < len(acts):
@@ -289,8 +290,9 @@ def dry_run(plan: Plan) -> list[tuple[int, int]]:
                     sent.add(a.msg)
                 elif a.kind in RECVS:
                     posted.add(a.msg)
-                order.append((r, pc[r]))
+                visit(r, pc[r], a)
                 pc[r] += 1
+                left -= 1
                 progressed = True
         if not progressed:
             waits = []
@@ -300,4 +302,17 @@ def dry_run(plan: Plan) -> list[tuple[int, int]]:
                     missing = [m for m in incoming[a.stage] if m not in sent or m not in posted]
                     waits.append(f"rank {r} at {a} waits on message(s) {missing}")
             raise PlanError("deadlock: " + "; ".join(waits))
+
+
+def dry_run(plan: Plan) -> list[tuple[int, int]]:
+    """Execute the plan symbolically (:func:`replay`).
+
+    Returns:
+        the global order in which actions ran, ``[(rank, action index), ...]``.
+
+    Raises:
+        PlanError: deadlock, naming each blocked rank's action and the messages it waits on.
+    """
+    order: list[tuple[int, int]] = []
+    replay(plan, lambda r, i, a: order.append((r, i)))
     return order

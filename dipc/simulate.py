@@ -18,10 +18,9 @@ pipeline's cost estimate and schedules it, then simulates that plan.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from typing import Callable, Mapping, Sequence
 
-from .plan import COMPUTE, RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key
+from .plan import COMPUTE, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
 
 __all__ = ["SimResult", "simulate_plan", "simulate"]
 
@@ -80,54 +79,26 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     act = activation_bytes or {}
     n = plan.n_ranks
     static = list(static_bytes) if static_bytes is not None else [0.0] * n
-    incoming: dict[str, list[int]] = defaultdict(list)
-    for acts in plan.ranks:
-        for a in acts:
-            if a.kind in RECVS:
-                incoming[a.stage].append(a.msg)
+    incoming = incoming_messages(plan)
     arrive: dict[int, float] = {}
-    posted: set[int] = set()
     clock = [0.0] * n
-    pc = [0] * n
     busy: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-    f_start: dict[str, float] = {}
-    total = sum(len(a) for a in plan.ranks)
-    done = 0
-    while done < total:
-        progressed = False
-        for r, acts in enumerate(plan.ranks):
-            while pc[r] < len(acts):
-                a = acts[pc[r]]
-                if a.kind in COMPUTE:
-                    msgs = incoming[a.stage]
-                    if not all(m in arrive and m in posted for m in msgs):
-                        break
-                    start = max([clock[r]] + [arrive[m] for m in msgs])
-                    end = start + latency[a.stage]
-                    busy[r].append((start, end, str(a), a.kind))
-                    clock[r] = end
-                    if a.kind == "F":
-                        f_start[a.stage] = start
-                        mem_events[r].append((start, act.get(a.stage, 0.0)))
-                    else:
-                        fk = stage_key("F", a.chunk, a.mb, a.sub)
-                        mem_events[r].append((end, -act.get(fk, 0.0)))
-                elif a.kind in SENDS:
-                    arrive[a.msg] = clock[r] + comm_time(a.tensors)
-                else:
-                    posted.add(a.msg)
-                pc[r] += 1
-                done += 1
-                progressed = True
-        if not progressed:
-            waits = []
-            for r, acts in enumerate(plan.ranks):
-                if pc[r] < len(acts):
-                    a = acts[pc[r]]
-                    missing = [m for m in incoming[a.stage] if m not in arrive or m not in posted]
-                    waits.append(f"rank {r} at {a} waits on message(s) {missing}")
-            raise PlanError("deadlock: " + "; ".join(waits))
+
+    def visit(r: int, i: int, a) -> None:
+        if a.kind in SENDS:
+            arrive[a.msg] = clock[r] + comm_time(a.tensors)
+        elif a.kind in COMPUTE:
+            start = max([clock[r]] + [arrive[m] for m in incoming[a.stage]])
+            end = start + latency[a.stage]
+            busy[r].append((start, end, str(a), a.kind))
+            clock[r] = end
+            if a.kind == "F":
+                mem_events[r].append((start, act.get(a.stage, 0.0)))
+            else:
+                mem_events[r].append((end, -act.get(stage_key("F", a.chunk, a.mb, a.sub), 0.0)))
+
+    replay(plan, visit)
     it = max((s[1] for spans in busy for s in spans), default=0.0)
     busy_time = [sum(e - s for s, e, _, _ in spans) for spans in busy]
     rank_bubble = [1.0 - b / it if it > 0 else 0.0 for b in busy_time]

@@ -3,7 +3,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dipc.plan import Action, Plan, PlanError, TensorSpec, validate
-from dipc.schedule import Edge, Stage, StageGraph, list_schedule, lower
+from dipc.schedule import list_schedule, lower
+
+from stage_graphs import chain_graph
 
 T = (TensorSpec("h", (2, 4), "float32"),)
 
@@ -80,21 +82,6 @@ def test_out_of_order_pair_messages_rejected():
           Action("RECV_F", 1, 0, peer_rank=0, peer_chunk=0, msg=0, tensors=t), Action("F", 1, 1), Action("F", 1, 0)]
     with pytest.raises(PlanError, match="sent in order"):
         validate(Plan(0, [0, 1], [r0, r1], {}))
-
-
-def chain_graph(p, m, tf=1.0, tb=2.0):
-    """m microbatches through p chunks, chunk r on rank r (uniform stages)."""
-    stages, edges = {}, []
-    for mb in range(m):
-        for c in range(p):
-            for kind, lat in (("F", tf), ("B", tb)):
-                s = Stage(kind, c, mb, -1, c, lat, priority=-mb)
-                stages[s.key] = s
-            edges.append(Edge(f"F:{c}:{mb}:-1", f"B:{c}:{mb}:-1"))
-            if c:
-                edges.append(Edge(f"F:{c-1}:{mb}:-1", f"F:{c}:{mb}:-1", T))
-                edges.append(Edge(f"B:{c}:{mb}:-1", f"B:{c-1}:{mb}:-1", T))
-    return StageGraph(stages, edges)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 7)])

@@ -3,50 +3,15 @@ import json
 
 import pytest
 
-from dipc.plan import PlanError, TensorSpec
-from dipc.schedule import Edge, Schedule, Stage, StageGraph, lower
+from dipc.plan import PlanError
+from dipc.schedule import Schedule, lower
 from dipc.simulate import simulate_plan
 from dipc.trace import chrome_trace, gantt_png
 
-T = (TensorSpec("h", (4, 8), "float32"),)
-
-
-def chain(p, m, tf, tb):
-    stages, edges = {}, []
-    for mb in range(m):
-        for c in range(p):
-            for kind, lat in (("F", tf), ("B", tb)):
-                s = Stage(kind, c, mb, -1, c, lat)
-                stages[s.key] = s
-            edges.append(Edge(f"F:{c}:{mb}:-1", f"B:{c}:{mb}:-1"))
-            if c:
-                edges.append(Edge(f"F:{c-1}:{mb}:-1", f"F:{c}:{mb}:-1", T))
-                edges.append(Edge(f"B:{c}:{mb}:-1", f"B:{c-1}:{mb}:-1", T))
-    return StageGraph(stages, edges)
-
-
-def gpipe_order(p, m):
-    return [[f"F:{r}:{i}:-1" for i in range(m)] + [f"B:{r}:{i}:-1" for i in range(m)] for r in range(p)]
-
-
-def one_f_one_b_order(p, m):
-    out = []
-    for r in range(p):
-        warm = min(p - r - 1, m)
-        order = [f"F:{r}:{i}:-1" for i in range(warm)]
-        f, b = warm, 0
-        while b < m:
-            if f < m:
-                order.append(f"F:{r}:{f}:-1")
-                f += 1
-            order.append(f"B:{r}:{b}:-1")
-            b += 1
-        out.append(order)
-    return out
-
+from stage_graphs import chain_graph, gpipe_order, one_f_one_b_order
 
 def run(p, m, tf, tb, order):
-    g = chain(p, m, tf, tb)
+    g = chain_graph(p, m, tf, tb)
     plan = lower(g, Schedule(order=order, start={k: 0.0 for k in g.stages}, end={}), list(range(p)))
     lat = {k: s.latency for k, s in g.stages.items()}
     act = {k: 1.0 for k in g.stages if k.startswith("F")}
@@ -69,7 +34,7 @@ def test_peak_activation_memory_1f1b_vs_gpipe(p, m):
 
 
 def test_comm_time_delays_consumers():
-    g = chain(2, 1, 1.0, 1.0)
+    g = chain_graph(2, 1, 1.0, 1.0)
     plan = lower(g, Schedule(order=gpipe_order(2, 1), start={k: 0.0 for k in g.stages}, end={}), [0, 1])
     lat = {k: s.latency for k, s in g.stages.items()}
     r = simulate_plan(plan, lat, comm_time=lambda tensors: 0.25 * len(tensors))
@@ -77,7 +42,7 @@ def test_comm_time_delays_consumers():
 
 
 def test_deadlock_is_reported():
-    g = chain(2, 2, 1.0, 1.0)
+    g = chain_graph(2, 2, 1.0, 1.0)
     order = gpipe_order(2, 2)
     order[1] = [order[1][1], order[1][0]] + order[1][2:]  # rank 1 runs mb 1 first
     plan = lower(g, Schedule(order=order, start={k: 0.0 for k in g.stages}, end={}), [0, 1])
