@@ -347,8 +347,9 @@ class Executor:
             elif inp.kind == "sym":
                 kwargs[inp.name] = int(inp.expr.xreplace(bind))
             else:
-                parts = []
+                parts, needs_grad = [], False
                 for pk, pname in self.w.wiring[fk][inp.name]:
+                    needs_grad |= self._meta(pk, pname).requires_grad
                     pr = self.w.graph.stages[pk].rank
                     parts.append(self.outputs[pk][pname] if pr == self.rank else self.received[fk][pk][pname])
                 if not parts:
@@ -357,8 +358,8 @@ class Executor:
                 else:
                     t = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts], dim=0)
                 t = t.detach()
-                if t.is_floating_point():
-                    t.requires_grad_(True)
+                if needs_grad and t.is_floating_point():  # no gradient for RoPE tables, masks, ...: autograd
+                    t.requires_grad_(True)                 # then keeps nothing for them either
                     leaves[inp.name] = t
                 kwargs[inp.name] = t
         mod = self.mods[(id(prog), a.chunk)]
@@ -406,10 +407,11 @@ class Executor:
                 else:
                     self.out_grads.setdefault((fk, pk), {})[pname] = piece
 
+    def _meta(self, pk, pname):
+        return self.w.programs[pk].chunks[self.w.graph.stages[pk].chunk].output_meta[pname]
+
     def outputs_shape(self, pk, pname):
-        st = self.w.graph.stages[pk]
-        meta = self.w.programs[pk].chunks[st.chunk].output_meta[pname]
-        return meta.concrete_shape(self.w.bindings[pk])
+        return self._meta(pk, pname).concrete_shape(self.w.bindings[pk])
 
     def finish(self):
         for work, _ in self.sends:
