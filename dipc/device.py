@@ -11,7 +11,11 @@ and the ``alpha`` are efficiency factors calibrated by microbenchmarks (``python
 :class:`DeviceProfile` holds those numbers.  dipc keeps one ``alpha`` per operator family (:data:`FAMILIES`): an
 operator of family ``f`` uses ``alpha[f]`` for both its compute and its memory term, and every network term uses
 ``alpha["p2p"]``.  On top of the roofline each operator pays a fixed ``launch_overhead`` (Python + dispatcher + kernel
-launch; microseconds, dominant for small operators on CPU).
+launch; microseconds, dominant for small operators on CPU).  Two optional refinements, both off in the shipped GPU
+profiles: per-operator factors (``op_alpha``, fitted by every calibration: a CPU ``gelu(approximate="tanh")`` is 5-8x
+slower per byte than ``add``) and a cache level (``cache_bytes``, ``cache_bandwidth``; ``python -m dipc.calibrate
+--cache-level``: on CPU, bandwidth-bound operators whose tensors fit the per-core L2 run 2-4x faster than the
+DRAM/L3 rate).
 
 Conventions (the calibration measures with the same ones, so a cost pass should count the same way):
 
@@ -35,14 +39,17 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["DeviceProfile", "FAMILIES", "COMPUTE_FAMILIES", "op_family", "user_profile_dir", "shipped_profiles",
-           "available_profiles", "PROFILE_DIR_ENV"]
+__all__ = ["DeviceProfile", "FAMILIES", "COMPUTE_FAMILIES", "VIEW_FAMILY", "op_name", "user_profile_dir",
+           "shipped_profiles", "available_profiles", "PROFILE_DIR_ENV"]
 
 #: operator families with their own efficiency factor; "p2p" is the network term (pipeline send/recv, collectives).
 FAMILIES: tuple[str, ...] = ("matmul", "attention", "conv", "elementwise", "reduction", "norm", "softmax",
                              "embedding", "loss", "other", "p2p")
 #: the families of on-device operators (all but "p2p").
 COMPUTE_FAMILIES: tuple[str, ...] = FAMILIES[:-1]
+#: metadata-only operators (view, reshape, transpose, ...; the cost pass ``dipc.passes.symcost`` names them so): no
+#: FLOPs, no bytes, no alpha; :meth:`DeviceProfile.op_latency` charges them the launch overhead alone.
+VIEW_FAMILY = "view"
 
 #: environment variable naming the folder where calibrated profiles are written and looked up first.
 PROFILE_DIR_ENV = "DIPC_PROFILE_DIR"
@@ -95,8 +102,18 @@ class DeviceProfile:
             direction on GPUs; gloo over loopback on CPU).
         p2p_latency: fixed time of one point-to-point message in seconds.
         alpha: family -> efficiency factor (dimensionless, usually >= 1; 1 means the operator runs at the peak
-            rate).  Families missing from the dict use ``alpha["other"]`` (or 1.0).
+            rate; below 1 means faster than the roofline at these peaks, e.g. cache-resident data on CPU).
+            Families missing from the dict use ``alpha["other"]`` (or 1.0).
+        op_alpha: optional per-operator overrides, ATen op name (see :func:`op_name`: "gelu", "gelu_tanh", "silu",
+            "mm", ...) -> efficiency factor; used by :meth:`op_latency` when its ``op`` argument names one.  The
+            calibration fits one per benchmarked operator, since one factor per family cannot cover both ``add``
+            and a CPU ``gelu(approximate="tanh")`` that runs 5-8x slower per byte.
         launch_overhead: fixed seconds added to every operator (dispatch and kernel launch).
+        cache_bytes: optional on-chip cache size in bytes: an operator moving at most this many bytes uses
+            ``cache_bandwidth`` instead of ``mem_bandwidth`` (a two-level roofline; None, the default and what the
+            GPU datasheet profiles use, is DIP's single memory level).  ``python -m dipc.calibrate --cache-level``
+            sets it to the per-core L2 size on CPU, where bandwidth-bound operators that fit run 2-4x faster.
+        cache_bandwidth: bytes/s for operators within ``cache_bytes``; given together with ``cache_bytes``.
         calibrated: True when the figures were measured by ``python -m dipc.calibrate``.
         source: where the figures come from (datasheet citation or measurement details).
         dtype: the training dtype ``peak_flops`` refers to ("bfloat16", "float32").
@@ -114,7 +131,10 @@ class DeviceProfile:
     p2p_bandwidth: float
     p2p_latency: float
     alpha: dict[str, float] = dataclasses.field(default_factory=lambda: {f: 1.0 for f in FAMILIES})
+    op_alpha: dict[str, float] = dataclasses.field(default_factory=dict)
     launch_overhead: float = 0.0
+    cache_bytes: float | None = None
+    cache_bandwidth: float | None = None
     calibrated: bool = False
     source: str = ""
     dtype: str = "bfloat16"
@@ -127,6 +147,11 @@ class DeviceProfile:
         self.p2p_bandwidth = _check_pos("p2p_bandwidth", self.p2p_bandwidth)
         self.p2p_latency = _check_pos("p2p_latency", self.p2p_latency, allow_zero=True)
         self.launch_overhead = _check_pos("launch_overhead", self.launch_overhead, allow_zero=True)
+        if (self.cache_bytes is None) != (self.cache_bandwidth is None):
+            raise ValueError("cache_bytes and cache_bandwidth go together (both None or both set)")
+        if self.cache_bytes is not None:
+            self.cache_bytes = _check_pos("cache_bytes", self.cache_bytes)
+            self.cache_bandwidth = _check_pos("cache_bandwidth", self.cache_bandwidth)
         if self.memory_capacity is not None:
             self.memory_capacity = _check_pos("memory_capacity", self.memory_capacity)
         alpha = {}
@@ -135,35 +160,43 @@ class DeviceProfile:
                 raise ValueError(f"alpha has unknown operator family {k!r}; families are {', '.join(FAMILIES)}")
             alpha[k] = _check_pos(f"alpha[{k!r}]", v)
         self.alpha = alpha
+        self.op_alpha = {str(k): _check_pos(f"op_alpha[{k!r}]", v) for k, v in dict(self.op_alpha).items()}
         self.calibrated = bool(self.calibrated)
 
     # ------------------------------------------------------------------ the model
     def alpha_for(self, family: str) -> float:
-        """Efficiency factor of ``family`` (falls back to ``alpha["other"]``, then 1.0).
+        """Efficiency factor of ``family`` (falls back to ``alpha["other"]``, then 1.0; "view" has no entry of its
+        own and falls back the same way, which does not matter as views move no bytes).
 
         Raises:
             ValueError: ``family`` is not one of :data:`FAMILIES`.
         """
-        if family not in FAMILIES:
-            raise ValueError(f"unknown operator family {family!r}; families are {', '.join(FAMILIES)}")
+        if family not in FAMILIES and family != VIEW_FAMILY:
+            raise ValueError(f"unknown operator family {family!r}; families are {', '.join(FAMILIES)} "
+                             f"(and {VIEW_FAMILY!r})")
         a = self.alpha.get(family)
         if a is None:
             a = self.alpha.get("other", 1.0)
         return a
 
-    def op_latency(self, family: str, flops: float, bytes: float, net_bytes: float = 0.0) -> float:
+    def op_latency(self, family: str, flops: float, bytes: float, net_bytes: float = 0.0, *,
+                   op: str | None = None) -> float:
         """Seconds one operator takes (DIP §2.6 roofline plus the launch overhead)::
 
-            launch_overhead + max(alpha[family] * flops / peak_flops,
-                                  alpha[family] * bytes / mem_bandwidth,
+            launch_overhead + max(a * flops / peak_flops,
+                                  a * bytes / mem_bandwidth,
                                   alpha["p2p"] * net_bytes / p2p_bandwidth)
 
+        with ``a = op_alpha[op]`` when ``op`` is given and has an override, else ``alpha[family]``; when the profile
+        has a cache level and ``bytes <= cache_bytes``, ``cache_bandwidth`` replaces ``mem_bandwidth``.
+
         Args:
-            family: operator family, one of :data:`FAMILIES`.
+            family: operator family, one of :data:`FAMILIES`, or "view" (:data:`VIEW_FAMILY`).
             flops: floating-point operations (multiply-add = 2).
             bytes: bytes moved through device memory (tensor inputs + outputs).
             net_bytes: bytes sent over the network by this operator (collectives inside a stage); the per-message
                 latency is not included here (see :meth:`p2p_time` for pipeline sends).
+            op: optional operator name (:func:`op_name`) for a per-operator factor.
 
         Raises:
             ValueError: unknown family, or a negative count.
@@ -171,11 +204,47 @@ class DeviceProfile:
         if flops < 0 or bytes < 0 or net_bytes < 0:
             raise ValueError(f"op_latency needs non-negative counts, got flops={flops}, bytes={bytes}, "
                              f"net_bytes={net_bytes}")
-        a = self.alpha_for(family)
-        t = max(a * flops / self.peak_flops, a * bytes / self.mem_bandwidth)
+        a = self.op_alpha.get(op) if op is not None else None
+        if a is None:
+            a = self.alpha_for(family)
+        t = max(a * flops / self.peak_flops, a * bytes / self.bandwidth_for(bytes))
         if net_bytes:
             t = max(t, self.alpha_for("p2p") * net_bytes / self.p2p_bandwidth)
         return self.launch_overhead + t
+
+    def op_latency_expr(self, family: str, flops: Any, bytes: Any, net_bytes: Any = 0, *, op: str | None = None):
+        """:meth:`op_latency` as a sympy expression, for symbolic costs (``dipc.passes.symcost``): ``flops``,
+        ``bytes`` and ``net_bytes`` may be sympy expressions in the size symbols; the result uses ``sympy.Max`` (and
+        ``sympy.Piecewise`` for the cache level), so that a chunk's sum can be compiled once with
+        ``sympy.lambdify`` (e.g. ``compile_costs(nodes, extra={"latency": lambda c: profile.op_latency_expr(
+        c.family, c.flops_fwd, c.bytes_read + c.bytes_written)})``).  Counts are assumed non-negative.
+
+        Raises:
+            ValueError: unknown family.
+        """
+        import sympy
+
+        a = self.op_alpha.get(op) if op is not None else None
+        if a is None:
+            a = self.alpha_for(family)
+        a = sympy.Float(a)
+        flops, nbytes, net = sympy.sympify(flops), sympy.sympify(bytes), sympy.sympify(net_bytes)
+        if self.cache_bytes is not None:
+            bw = sympy.Piecewise((sympy.Float(self.cache_bandwidth), nbytes <= self.cache_bytes),
+                                 (sympy.Float(self.mem_bandwidth), True))
+        else:
+            bw = sympy.Float(self.mem_bandwidth)
+        terms = [a * flops / sympy.Float(self.peak_flops), a * nbytes / bw]
+        if net != 0:
+            terms.append(sympy.Float(self.alpha_for("p2p")) * net / sympy.Float(self.p2p_bandwidth))
+        return sympy.Float(self.launch_overhead) + sympy.Max(*terms)
+
+    def bandwidth_for(self, nbytes: float) -> float:
+        """Memory bandwidth in bytes/s that an operator moving ``nbytes`` sees: ``cache_bandwidth`` when the profile
+        has a cache level and ``nbytes <= cache_bytes``, else ``mem_bandwidth``."""
+        if self.cache_bytes is not None and nbytes <= self.cache_bytes:
+            return self.cache_bandwidth  # type: ignore[return-value]
+        return self.mem_bandwidth
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send one ``nbytes`` message to a neighbouring rank: ``p2p_latency + alpha["p2p"] * nbytes /
@@ -193,6 +262,7 @@ class DeviceProfile:
         """Plain-JSON-types dict of every field."""
         d = dataclasses.asdict(self)
         d["alpha"] = {f: self.alpha[f] for f in FAMILIES if f in self.alpha}
+        d["op_alpha"] = dict(sorted(self.op_alpha.items()))
         return d
 
     @classmethod
@@ -273,44 +343,25 @@ class DeviceProfile:
 
     def summary(self) -> str:
         """One line: name, peak TFLOP/s, memory and P2P bandwidth in GB/s, P2P latency and launch overhead in us."""
+        cache = (f" ({self.cache_bandwidth / 1e9:.4g} GB/s up to {self.cache_bytes / 2**20:.3g} MiB)"
+                 if self.cache_bytes is not None else "")
         return (f"{self.name}: {self.peak_flops / 1e12:.3g} TFLOP/s ({self.dtype}), mem {self.mem_bandwidth / 1e9:.4g}"
-                f" GB/s, p2p {self.p2p_bandwidth / 1e9:.4g} GB/s + {self.p2p_latency * 1e6:.3g} us, launch "
+                f" GB/s{cache}, p2p {self.p2p_bandwidth / 1e9:.4g} GB/s + {self.p2p_latency * 1e6:.3g} us, launch "
                 f"{self.launch_overhead * 1e6:.3g} us, {'calibrated' if self.calibrated else 'uncalibrated'}")
 
 
-# ---------------------------------------------------------------------- operator families
-_FAMILY_OF_OP = {
-    "matmul": ("mm", "bmm", "addmm", "baddbmm", "linear", "matmul", "addbmm", "dot", "mv", "einsum"),
-    "attention": ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                  "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"),
-    "conv": ("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
-             "conv_transpose3d"),
-    "norm": ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm",
-             "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "instance_norm"),
-    "softmax": ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax"),
-    "reduction": ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "var_mean", "norm",
-                  "linalg_vector_norm", "logsumexp", "argmax", "argmin", "cumsum", "any", "all"),
-    "embedding": ("embedding", "index_select", "gather", "take_along_dim"),
-    "loss": ("cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "mse_loss", "l1_loss",
-             "smooth_l1_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div"),
-    "elementwise": ("add", "sub", "mul", "div", "neg", "pow", "sqrt", "rsqrt", "exp", "log", "sin", "cos", "tanh",
-                    "sigmoid", "silu", "gelu", "relu", "erf", "abs", "clamp", "where", "masked_fill", "maximum",
-                    "minimum", "reciprocal", "dropout", "native_dropout", "to", "_to_copy", "copy", "copy_",
-                    "fill", "zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "lerp", "addcmul",
-                    "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "bitwise_not", "floor",
-                    "ceil", "round", "sign", "square", "softplus", "hardtanh", "leaky_relu", "type_as"),
-}
-_OP_TO_FAMILY = {op: fam for fam, ops in _FAMILY_OF_OP.items() for op in ops}
-
-
-def op_family(op: Any) -> str:
-    """Family (one of :data:`COMPUTE_FAMILIES`) of an ATen operator, an ``OpOverload``/``OpOverloadPacket`` or an op
-    name such as ``"aten.mm.default"`` or ``"linear"``; unknown operators (cat, views, index, ...) are "other"."""
+# ---------------------------------------------------------------------- operator names
+def op_name(op: Any, kwargs: Mapping[str, Any] | None = None) -> str:
+    """The key :attr:`DeviceProfile.op_alpha` uses for an operator: the ATen packet name without a trailing
+    underscore ("mm", "add", "layer_norm", ...), with ``gelu`` called with ``approximate="tanh"`` (in ``kwargs``)
+    named "gelu_tanh".  ``op`` is an ``OpOverload``/``OpOverloadPacket`` or a name such as ``"aten.mm.default"``."""
     packet = getattr(op, "overloadpacket", op)
     name = getattr(packet, "__name__", None) or str(op)
     name = name.split("::")[-1]
     parts = name.split(".")
     if len(parts) >= 2 and parts[0] in ("aten", "prims", "torch"):
         parts = parts[1:]
-    return _OP_TO_FAMILY.get(parts[0]) or _OP_TO_FAMILY.get(parts[0].rstrip("_")) or "other"
+    base = parts[0].rstrip("_") or parts[0]
+    if base == "gelu" and kwargs and kwargs.get("approximate") == "tanh":
+        return "gelu_tanh"
+    return base
