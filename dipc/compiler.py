@@ -26,6 +26,7 @@ from .capture import Capture, capture, signature_of
 from .passes.cost import ZERO, NodeCost, annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.partition import Partition, apply_partition, partition
+from .passes.symcost import annotate_symbolic_cost, compile_costs
 from .codegen.stage import ChunkModule, build_chunk_modules
 from .codegen.source import chunk_source
 
@@ -50,6 +51,14 @@ class Program:
     bindings: list[tuple[sympy.Symbol, str, int]]
     boundary: dict[str, list[str]]
     loss_params: set[str] = dataclasses.field(default_factory=set)
+    chunk_costs: dict = dataclasses.field(default_factory=dict)
+
+    def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
+        """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device
+        profile, ``activation_bytes``, FLOPs, bytes), or ``None`` without a device profile.  Memoised per shape
+        (DIP's subgraph reuse)."""
+        cc = self.chunk_costs.get(chunk)
+        return None if cc is None else cc(bindings)
 
     def bind(self, data: Mapping[str, torch.Tensor]) -> dict[sympy.Symbol, int]:
         """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view)."""
@@ -150,8 +159,9 @@ class CompiledPipeline:
     def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
                  modalities: Mapping[str, Sequence[str]] | None, chunks_per_rank: Mapping[str, int] | None,
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
-                 loss_key: str, build: set[int] | None = None):
+                 loss_key: str, build: set[int] | None = None, device=None):
         self.model = model
+        self.device = device
         self.pp_size = pp_size
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
         self.dynamic = dynamic
@@ -221,7 +231,22 @@ class CompiledPipeline:
             if n.op == "placeholder" and cap.state_targets.get(n.name, ("",))[0] == "parameter":
                 loss_params.add(cap.state_targets[n.name][1])
             stack.extend(n.all_input_nodes)
-        return Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params)
+        prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params)
+        if self.device is not None:
+            prog.chunk_costs = self._chunk_costs(cap)
+        return prog
+
+    def _chunk_costs(self, cap: Capture) -> dict:
+        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6)."""
+        annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
+        dev = self.device
+        extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written),
+                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd)}
+        nodes: dict[int, list] = {}
+        for n in cap.graph.nodes:
+            if n.op == "call_function":
+                nodes.setdefault(n.meta["dipc_chunk"], []).append(n)
+        return {c: compile_costs(ns, extra=extra) for c, ns in nodes.items()}
 
     def _check_sub_microbatching(self, prog: Program) -> None:
         """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""
@@ -356,7 +381,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             instances: Sequence[Instances] | None = None,
             loss: LossReduction | str | None = None,
             dynamic: Mapping[str, Mapping[int, Any]] | None = None,
-            loss_key: str = "loss") -> CompiledPipeline:
+            loss_key: str = "loss", device=None) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -376,6 +401,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             batch has integer ``labels``, else sample-mean).
         dynamic: per key ``{dim: Dim | None}`` overriding the dynamic dims (``None`` fixes a dim).
         loss_key: key of the loss in a mapping output.
+        device: a :class:`dipc.device.DeviceProfile` or a profile name ("h100", "cpu" after
+            ``python -m dipc.calibrate``, ...): stage latencies and activation memory then come from the symbolic
+            cost model (:mod:`dipc.passes.symcost`) on that device, evaluated per (chunk, shape); without it the
+            planner uses the first, nominal estimate.
 
     Returns:
         a :class:`CompiledPipeline` (no process group needed).
@@ -404,5 +433,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         loss = _auto_loss(example_batch)
     elif isinstance(loss, str):
         loss = LossReduction(loss)
+    if isinstance(device, str):
+        from .device import DeviceProfile
+        device = DeviceProfile.load(device)
     return CompiledPipeline(model, example_batch, pp_size, modalities=modalities, chunks_per_rank=chunks_per_rank,
-                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key)
+                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key, device=device)

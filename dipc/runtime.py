@@ -88,18 +88,24 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
     edges: dict[tuple[str, str], list[TensorSpec]] = {}
 
     def add_stage(c, m, s, prog, view, units):
-        ratio = units / max(ex_units[mod_of[c]], 1e-12)
-        lat = compiled.chunk_latency(c) * ratio
-        act = part.chunks[c].cost.activation_bytes * ratio
+        bind = prog.bind(view)
+        cost = prog.stage_cost(c, bind)
+        if cost is not None:  # symbolic cost on the device profile, at this stage's own sizes
+            lat = {"F": cost["latency_f"], "B": cost["latency_b"]}
+            act = cost["activation_bytes"]
+        else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
+            ratio = units / max(ex_units[mod_of[c]], 1e-12)
+            lat = {"F": compiled.chunk_latency(c) * ratio, "B": 2 * compiled.chunk_latency(c) * ratio}
+            act = part.chunks[c].cost.activation_bytes * ratio
         prio = -m
-        for kind, mult in (("F", 1.0), ("B", 2.0)):
-            st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat * mult, priority=prio,
+        for kind in ("F", "B"):
+            st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat[kind], priority=prio,
                        activation_bytes=act, modality=mod_of[c])
             stages[st.key] = st
         k = _fkey(c, m, s)
         programs[k] = prog
         data[k] = view
-        bindings[k] = prog.bind(view)
+        bindings[k] = bind
         edges[(k, stage_key("B", c, m, s))] = []
 
     for mb in microbatches:
@@ -423,7 +429,9 @@ class Executor:
 def make_plan(compiled, workload: StepWorkload, step: int) -> Plan:
     """Schedule a step with the dual-queue list scheduler and lower it to a checked plan."""
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
-    sched = list_schedule(workload.graph, compiled.pp_size)
+    dev = compiled.device
+    comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors))) if dev is not None else None
+    sched = list_schedule(workload.graph, compiled.pp_size, comm_time=comm)
     plan = lower(workload.graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     validate(plan)

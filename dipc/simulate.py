@@ -121,9 +121,9 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None) -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
-    Stage latencies are those the planner used (:meth:`dipc.CompiledPipeline.chunk_latency` scaled by the
-    stage's tokens or instances; backward = 2 x forward); activation bytes of a forward stage are the estimated
-    activation bytes of its chunk scaled the same way.
+    Stage latencies and activation bytes are those the planner used: with a device profile
+    (``dipc.compile(..., device=...)``) the symbolic cost of each (chunk, sub-microbatch shape) on that device and
+    P2P time from its bandwidth and latency; without one the first, nominal estimate (no transfer time).
 
     Returns:
         ``(result, plan)``.
@@ -133,6 +133,9 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     mbs = compiled.batch_spec.split(batch, n_microbatches)
     w = build_workload(compiled, mbs)
     plan = make_plan(compiled, w, 0)
+    if comm_time is None and compiled.device is not None:
+        dev = compiled.device
+        comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors))  # noqa: E731
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
     return simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes), plan

@@ -64,3 +64,22 @@ def test_trace_and_gantt(tmp_path):
     json.dumps(tr)
     path = gantt_png(ev, str(tmp_path / "g.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulate_compiled_pipeline_with_a_device_profile():
+    """With a device profile, stage costs come from the symbolic cost model at each stage's own sizes."""
+    import torch
+    import dipc
+    import pipeline_cases as pc
+    torch.manual_seed(0)
+    c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device="h100", sub_microbatch_size={"vision": 2})
+    small, _ = dipc.simulate(c, pc.vlm_batch([1, 0, 1, 0], 16, 1), 2)
+    big, plan = dipc.simulate(c, pc.vlm_batch([3, 2, 3, 2], 48, 1), 2)
+    assert 0 < small.iteration_time < big.iteration_time
+    assert 0 <= big.bubble_ratio < 1 and all(m > 0 for m in big.peak_memory)
+    prog = c.program
+    text0 = c.partition.chunks_of("text")[0].index
+    a = prog.stage_cost(text0, {s: v for s, v in prog.bind(pc.vlm_batch([1, 1], 16, 0)).items()})
+    b = prog.stage_cost(text0, {s: v for s, v in prog.bind(pc.vlm_batch([1, 1], 32, 0)).items()})
+    assert b["flops_fwd"] > a["flops_fwd"] and b["latency_f"] > a["latency_f"] > 0
+    dipc.validate(plan)
