@@ -619,8 +619,8 @@ def calibrate(device: str = "cpu", *, quick: bool = False, threads: int = 1, p2p
             fit.update(p2p_latency=lat, p2p_bandwidth=bw)
             fit["alpha"]["p2p"] = 1.0
             p2p_note = f"P2P not measured (needs 2 GPUs or was disabled): nominal {bw / 1e9:g} GB/s, {lat * 1e6:g} us."
-        cache_note = (f"cache level: operators moving <= cache_bytes (the per-core L2) use cache_bandwidth = best "
-                      f"copy_/add-into-output rate of such sizes. " if fit["cache_bytes"] is not None else "")
+        cache_note = ("cache level: operators moving <= cache_bytes (the per-core L2) use cache_bandwidth = best "
+                      "copy_/add-into-output rate of such sizes. " if fit["cache_bytes"] is not None else "")
         source = (f"Measured by `python -m dipc.calibrate{' --quick' if quick else ''}` on {hw}, "
                   f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}, torch {torch.__version__}, "
                   f"{threads} thread(s) per process, {dtype}, {stat} of {repeats} timed loops. launch_overhead = "

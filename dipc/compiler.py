@@ -12,10 +12,9 @@ per distinct value of the specialized dims, made on first use and cached; a one-
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import warnings
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import sympy
 import torch
@@ -23,7 +22,7 @@ import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
 from .capture import Capture, capture, signature_of
-from .passes.cost import ZERO, NodeCost, annotate_cost, node_latency
+from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.partition import Partition, apply_partition, partition
 from .passes.symcost import annotate_symbolic_cost, compile_costs

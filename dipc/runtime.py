@@ -28,8 +28,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .batch import BatchError, Microbatch
-from .plan import COMPUTE, RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
+from .batch import Microbatch
+from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
 from .schedule import Edge, Stage, StageGraph, list_schedule, lower
 
 __all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor"]
@@ -76,7 +76,6 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
         PlanError: programs of a microbatch and its sub-microbatches disagree on their boundary values.
     """
     part = compiled.partition
-    P = compiled.pp_size
     mod_of = {c.index: c.modality for c in part.chunks}
     rank_of = {c.index: c.rank for c in part.chunks}
     inst_of = {i.modality: i for i in compiled.batch_spec.instances}

@@ -181,7 +181,6 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
         if graph.stages[e.src].rank != graph.stages[e.dst].rank and e.tensors:
             out_msgs[e.src].append(e)
     msg_id: dict[tuple[str, str], int] = {}
-    sends_by_rank: list[list[Action]] = [[] for _ in range(n_ranks)]
     ranks: list[list[Action]] = [[] for _ in range(n_ranks)]
     for r in range(n_ranks):
         for k in schedule.order[r]:

@@ -27,7 +27,7 @@ def build(model: str, seed: int, n_batches: int, batch_size: int):
     """(model, batches) for ``model`` in {"llava", "vlm", "t2v"}; batches[0] is the example batch."""
     torch.manual_seed(seed)
     if model == "llava":
-        from dipc.models.hf import tiny_llava, tiny_llava_config
+        from dipc.models.hf import tiny_llava
         from dipc.models.data import llava_batches
         m = tiny_llava(seed)
         return m, list(llava_batches(m.config, n_batches, batch_size, seed + 1))
