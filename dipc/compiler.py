@@ -117,6 +117,18 @@ def index_ranges(cap: Capture) -> list[tuple[str, int, int, int | None, str]]:
     return out
 
 
+def _bindings(cap: Capture) -> list[tuple[sympy.Symbol, str, int]]:
+    """(symbol, batch key, dim) for every input size that is a bare symbol in the capture."""
+    out = []
+    ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+    for name, key in cap.input_keys.items():
+        v = ph[name].meta.get("val")
+        for d, s in enumerate(getattr(v, "shape", ())):
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                out.append((s.node.expr, key, d))
+    return out
+
+
 def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                     sub_size: Mapping[str, int] | None) -> list[Instances]:
     cfg = getattr(model, "config", None)
@@ -158,7 +170,7 @@ class CompiledPipeline:
     def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
                  modalities: Mapping[str, Sequence[str]] | None, chunks_per_rank: Mapping[str, int] | None,
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
-                 loss_key: str, build: set[int] | None = None, device=None):
+                 loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None):
         self.model = model
         self.device = device
         self.pp_size = pp_size
@@ -186,7 +198,13 @@ class CompiledPipeline:
                 raise ValueError(f"modalities rule(s) {[(m, list(modalities[m])) for m in unused]} match no module "
                                  f"of {type(model).__name__}; the graph's modalities are {sorted(found)}")
         annotate_cost(cap.graph)
-        self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank)
+        self.rule_notes: dict[str, str] = {}
+        module_latency = None
+        if device is not None:
+            instances, module_latency = self._dip_rules(cap, instances, auto_b or set())
+            self.batch_spec.instances = list(instances)
+        self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
+                                              module_latency=module_latency)
         for inst in instances:
             if inst.modality not in self.partition.modalities:
                 raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
@@ -203,13 +221,7 @@ class CompiledPipeline:
             state.setdefault(name, t)
         chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
                                      len(self.partition.chunks), build=self._build)
-        bindings = []
-        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
-        for name, key in cap.input_keys.items():
-            v = ph[name].meta.get("val")
-            for d, s in enumerate(getattr(v, "shape", ())):
-                if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
-                    bindings.append((s.node.expr, key, d))
+        bindings = _bindings(cap)
         boundary: dict[str, list[str]] = {}
         mod_of = {c.index: c.modality for c in self.partition.chunks}
         for c, cm in chunks.items():
@@ -235,9 +247,50 @@ class CompiledPipeline:
             prog.chunk_costs = self._chunk_costs(cap)
         return prog
 
+    def _dip_rules(self, cap: Capture, instances, auto_b: set[str]):
+        """DIP §2.1 on the device profile: B_i = the smallest sub-microbatch size keeping >= 95% of module i's peak
+        efficiency (instances per second of its forward + backward, sizes 1..64), for instance modalities whose
+        B_i was not given; T_i = module i's latency at B_i (other modules: on the example batch), for K_i =
+        floor(T_i / T_1).  Returns (instances, module latency)."""
+        annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
+        dev = self.device
+        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written)
+                 + dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd)}
+        by_mod: dict[str, list] = {}
+        for n in cap.graph.nodes:
+            if n.op == "call_function":
+                by_mod.setdefault(n.meta["dipc_modality"], []).append(n)
+        costs = {m: compile_costs(ns, extra=extra) for m, ns in by_mod.items()}
+        binds = _bindings(cap)
+        example = {}
+        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+        for sym, key, d in binds:
+            name = next(k for k, v in cap.input_keys.items() if v == key)
+            example[sym] = int(ph[name].meta["val"].shape[d].node.hint)
+        latency = {m: costs[m](example)["latency"] for m in costs}
+        out = []
+        for inst in instances:
+            sym = next((sym for sym, key, d in binds if key == inst.keys[0] and d == 0), None)
+            if sym is None or inst.modality not in costs:
+                self.rule_notes[inst.modality] = "instance count fixed by the model: B_i not derived"
+                out.append(inst)
+                continue
+            t = {b: costs[inst.modality]({**example, sym: b})["latency"] for b in range(1, 65)}
+            eff = {b: b / t[b] for b in t if t[b] > 0}
+            b_i = inst.sub_microbatch_size
+            if inst.modality in auto_b and eff:
+                peak = max(eff.values())
+                b_i = min(b for b, e in eff.items() if e >= 0.95 * peak)
+                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
+                inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
+            latency[inst.modality] = t.get(b_i, latency[inst.modality])
+            out.append(inst)
+        return out, latency
+
     def _chunk_costs(self, cap: Capture) -> dict:
         """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6)."""
-        annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
+        if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
+            annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
         extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written),
                  "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd)}
@@ -310,6 +363,8 @@ class CompiledPipeline:
         for m in part.modalities:
             inst = next((i for i in self.batch_spec.instances if i.modality == m), None)
             b = f", B_i={inst.sub_microbatch_size} {m} instance(s) per sub-microbatch" if inst else ""
+            if m in self.rule_notes:
+                b += f" ({self.rule_notes[m]})"
             lines.append(f"  {m}: {part.n_blocks[m]} block(s) in {part.block_container.get(m, '(none)')}, "
                          f"K_i={part.chunks_per_rank[m]} chunk(s) per rank{b}, est. forward "
                          f"{node_latency(part.module_cost[m]) * 1e3:.3f} ms")
@@ -392,8 +447,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         modalities: modality -> module path components, e.g. ``{"vision": ["vision_tower",
             "multi_modal_projector"], "text": ["language_model"]}``; default :data:`dipc.passes.modality.DEFAULT_RULES`.
         chunks_per_rank: K_i per modality (default: DIP's rule floor(T_i / T_1), capped by the block count).
-        sub_microbatch_size: B_i per instance modality (default 12, the size DIP chose in its sweep, PAPER.md §3.6;
-            the calibrated >=95%-of-peak rule comes with the cost model).
+        sub_microbatch_size: B_i per instance modality (default: with ``device``, DIP's rule - the smallest size
+            keeping >= 95% of the module's peak efficiency on that device; without, 12, the size DIP chose in its
+            sweep, PAPER.md §3.6).  With ``device``, K_i's rule uses each module's latency at B_i.
         instances: how instances (images) appear in batches; default detected from ``model.config``
             (``image_token_id``/``image_token_index``, ``tokens_per_image`` or the vision config's patch grid).
         loss: "token_mean", "sample_mean" or a :class:`dipc.batch.LossReduction` (default: token-mean when the
@@ -415,8 +471,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     """
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
+    auto_b: set[str] = set()
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
+        auto_b = {i.modality for i in instances} - set(sub_microbatch_size or {})
     elif sub_microbatch_size:
         instances = [dataclasses.replace(i, sub_microbatch_size=sub_microbatch_size.get(i.modality,
                                                                                        i.sub_microbatch_size))
@@ -436,4 +494,5 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         from .device import DeviceProfile
         device = DeviceProfile.load(device)
     return CompiledPipeline(model, example_batch, pp_size, modalities=modalities, chunks_per_rank=chunks_per_rank,
-                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key, device=device)
+                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key, device=device,
+                            auto_b=auto_b)

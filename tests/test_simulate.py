@@ -83,3 +83,26 @@ def test_simulate_compiled_pipeline_with_a_device_profile():
     b = prog.stage_cost(text0, {s: v for s, v in prog.bind(pc.vlm_batch([1, 1], 32, 0)).items()})
     assert b["flops_fwd"] > a["flops_fwd"] and b["latency_f"] > a["latency_f"] > 0
     dipc.validate(plan)
+
+
+def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
+    """DIP §2.1: B_i = smallest sub-microbatch size with >= 95% of peak efficiency; fixed launch overheads make
+    small sub-microbatches inefficient, so B_i grows with them; a given B_i is kept."""
+    import dataclasses
+    import torch
+    import dipc
+    from dipc.device import DeviceProfile
+    import pipeline_cases as pc
+    base = DeviceProfile.load("h100")
+    got = {}
+    for overhead in (0.0, 2e-6):
+        torch.manual_seed(0)
+        c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2,
+                         device=dataclasses.replace(base, launch_overhead=overhead))
+        got[overhead] = c.batch_spec.instances[0].sub_microbatch_size
+        assert "B_i by the DIP rule" in c.describe()
+        assert all(k >= 1 for k in c.partition.chunks_per_rank.values())
+    assert 1 <= got[0.0] < got[2e-6] <= 64
+    torch.manual_seed(0)
+    c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, sub_microbatch_size={"vision": 3})
+    assert c.batch_spec.instances[0].sub_microbatch_size == 3
