@@ -356,6 +356,28 @@ class CompiledPipeline:
             return []
         return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
 
+    def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+        """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
+        tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
+        plus its buffers."""
+        out = []
+        for r in range(self.pp_size):
+            seen: dict[int, torch.Tensor] = {}
+            for c in self.partition.chunks:
+                cm = self.program.chunks.get(c.index)
+                if c.rank != r or cm is None:
+                    continue
+                for name in cm.state_names:
+                    t = self._state.get(name)
+                    if t is not None:
+                        seen[id(t)] = t
+            total = 0.0
+            for t in seen.values():
+                n = t.numel() * t.element_size()
+                total += n * (2 + optimizer_states) if isinstance(t, torch.nn.Parameter) and t.requires_grad else n
+            out.append(total)
+        return out
+
     def describe(self) -> str:
         """A table of the chunks: rank, modality, segment, layers, parameters, estimated forward cost."""
         part = self.partition

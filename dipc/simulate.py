@@ -118,12 +118,15 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                      memory_timeline=timelines)
 
 
-def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None) -> tuple[SimResult, Plan]:
+def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
+             optimizer_states: int = 2) -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
     Stage latencies and activation bytes are those the planner used: with a device profile
     (``dipc.compile(..., device=...)``) the symbolic cost of each (chunk, sub-microbatch shape) on that device and
-    P2P time from its bandwidth and latency; without one the first, nominal estimate (no transfer time).
+    P2P time from its bandwidth and latency; without one the first, nominal estimate (no transfer time).  Each
+    rank's static memory defaults to :meth:`dipc.CompiledPipeline.rank_state_bytes` (parameters, gradients and
+    ``optimizer_states`` optimizer tensors per parameter, buffers), so ``peak_memory`` adds live activations to it.
 
     Returns:
         ``(result, plan)``.
@@ -133,6 +136,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     mbs = compiled.batch_spec.split(batch, n_microbatches)
     w = build_workload(compiled, mbs)
     plan = make_plan(compiled, w, 0)
+    if static_bytes is None:
+        static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:
         dev = compiled.device
         comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors))  # noqa: E731

@@ -106,3 +106,21 @@ def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     torch.manual_seed(0)
     c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, sub_microbatch_size={"vision": 3})
     assert c.batch_spec.instances[0].sub_microbatch_size == 3
+
+
+def test_static_memory_counts_parameters_gradients_and_adam_states():
+    import torch
+    import dipc
+    import pipeline_cases as pc
+    torch.manual_seed(0)
+    model = pc.vlm()
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2)
+    per_rank = c.rank_state_bytes(optimizer_states=2)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "rotary" not in n)
+    # every parameter on exactly one rank (untied): 4 copies (param, grad, 2 Adam moments); RoPE inv_freq is read
+    # by every text chunk and held by each rank that has one
+    assert sum(per_rank) >= 4 * params + buffers
+    assert sum(per_rank) <= 4 * params + buffers + 2 * 64
+    res, _ = dipc.simulate(c, pc.vlm_batch([1, 0, 2, 0], 16, 1), 2)
+    assert all(peak > static for peak, static in zip(res.peak_memory, per_rank))
