@@ -79,8 +79,9 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
     mod_of = {c.index: c.modality for c in part.chunks}
     rank_of = {c.index: c.rank for c in part.chunks}
     inst_of = {i.modality: i for i in compiled.batch_spec.instances}
-    ex_units = _example_units(compiled)
+    ex_units: dict[str, float] = {}  # filled on first use (only the no-device estimate needs it)
     stages: dict[str, Stage] = {}
+    mb_forwards: list[str] = []
     programs, data, bindings = {}, {}, {}
     wiring: dict[str, dict[str, list]] = {}
     empty: dict[str, dict] = {}
@@ -93,6 +94,8 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
             lat = {"F": cost["latency_f"], "B": cost["latency_b"]}
             act = cost["activation_bytes"]
         else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
+            if not ex_units:
+                ex_units.update(_example_units(compiled))
             ratio = units / max(ex_units[mod_of[c]], 1e-12)
             lat = {"F": compiled.chunk_latency(c) * ratio, "B": 2 * compiled.chunk_latency(c) * ratio}
             act = part.chunks[c].cost.activation_bytes * ratio
@@ -102,6 +105,7 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                        activation_bytes=act, modality=mod_of[c])
             stages[st.key] = st
         k = _fkey(c, m, s)
+        mb_forwards.append(k)
         programs[k] = prog
         data[k] = view
         bindings[k] = bind
@@ -109,6 +113,7 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
 
     for mb in microbatches:
         m = mb.index
+        mb_forwards.clear()
         prog = compiled.program_for(mb.data)
         sub_progs = {}
         for mod, inst in inst_of.items():
@@ -124,7 +129,7 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
             if mod_of[c] not in inst_of:
                 add_stage(c, m, -1, prog, mb.data, units)
         # wiring
-        for key in [k for k in stages if k.startswith("F:") and stages[k].mb == m]:
+        for key in mb_forwards:
             st = stages[key]
             p = programs[key]
             cm = p.chunks[st.chunk]
@@ -152,7 +157,6 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                 if not producers:
                     meta = p.chunks[inp.src_chunk].output_meta[inp.name]
                     empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), meta.dtype)
-        # edges with tensors
     for key, w in wiring.items():
         for name, producers in w.items():
             for pk, pname in producers:
@@ -425,15 +429,17 @@ class Executor:
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def make_plan(compiled, workload: StepWorkload, step: int) -> Plan:
-    """Schedule a step with the dual-queue list scheduler and lower it to a checked plan."""
+def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True) -> Plan:
+    """Schedule a step with the dual-queue list scheduler and lower it to a plan, checked with
+    :func:`dipc.plan.validate` unless ``check`` is False (for callers that validate it themselves)."""
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
     dev = compiled.device
     comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors))) if dev is not None else None
     sched = list_schedule(workload.graph, compiled.pp_size, comm_time=comm)
     plan = lower(workload.graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
-    validate(plan)
+    if check:
+        validate(plan)
     return plan
 
 
@@ -477,7 +483,7 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     """
     mbs = compiled.batch_spec.split(batch, n_microbatches)
     w = build_workload(compiled, mbs)
-    plan = plan or make_plan(compiled, w, 0)
+    plan = plan or make_plan(compiled, w, 0, check=False)
     order = validate(plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]

@@ -182,16 +182,13 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
             out_msgs[e.src].append(e)
     msg_id: dict[tuple[str, str], int] = {}
     ranks: list[list[Action]] = [[] for _ in range(n_ranks)]
-    for r in range(n_ranks):
-        for k in schedule.order[r]:
-            s = graph.stages[k]
-            for e in sorted(out_msgs[k], key=lambda e: (graph.stages[e.dst].rank, schedule.start[e.dst], e.dst)):
-                msg_id[(e.src, e.dst)] = len(msg_id)
     # receives per (sender, receiver) in sender order
     pending: dict[tuple[int, int], list[tuple[int, Edge]]] = defaultdict(list)
-    for (src, dst), m in sorted(msg_id.items(), key=lambda x: x[1]):
-        pending[(graph.stages[src].rank, graph.stages[dst].rank)].append((m, next(
-            e for e in out_msgs[src] if e.dst == dst)))
+    for r in range(n_ranks):
+        for k in schedule.order[r]:
+            for e in sorted(out_msgs[k], key=lambda e: (graph.stages[e.dst].rank, schedule.start[e.dst], e.dst)):
+                msg_id[(e.src, e.dst)] = len(msg_id)
+                pending[(r, graph.stages[e.dst].rank)].append((msg_id[(e.src, e.dst)], e))
     posted: set[int] = set()
 
     def comm_action(kind: str, here: Stage, there: Stage, m: int, tensors) -> Action:
