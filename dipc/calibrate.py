@@ -53,7 +53,8 @@ import torch
 
 from .device import COMPUTE_FAMILIES, DeviceProfile, user_profile_dir
 
-__all__ = ["Bench", "Calibration", "calibrate", "main", "accuracy_table", "fit_alpha"]
+__all__ = ["Bench", "Calibration", "calibrate", "main", "accuracy_table", "fit_alpha", "fit_executor_overhead",
+           "fit_pipeline_overheads"]
 
 aten = torch.ops.aten
 
@@ -744,3 +745,137 @@ def fit_executor_overhead(compiled, batch, n_microbatches: int, *, reps: int = 3
                     per_op.append(max((t - s) - pred, 0.0) / n_ops)
     return _dc.replace(prof, launch_overhead=_st.median(per_op),
                        source=prof.source + f"; launch_overhead fitted on dipc's executor ({len(per_op)} stages)")
+
+
+def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int | None = None) -> DeviceProfile:
+    """Calibrate the profile on a running pipeline (a collective: call it on every rank of ``pipe``).
+
+    Operator microbenchmarks time ATen calls alone, one process at a time; a pipeline rank also pays fx's generated
+    Python, autograd recording and the autograd engine per operator, the host side of every ``isend``/``irecv`` and
+    a fixed cost per step around the plan; it computes while the other ranks compute beside it (on a CPU they share
+    caches, memory bandwidth and clock boost); and its messages are slower than an idle ping-pong (on a shared CPU
+    the communication thread waits for a core).  This runs ``steps`` + 1 training steps of ``batch`` (the first is
+    a warm-up; gradients are set to None afterwards, parameters are not updated) and fits, from the executor's own
+    timeline (DIP §2.6 calibration, done on the real executor):
+
+    * a contention factor ``s`` and the per-operator overheads ``launch_overhead`` (forward) and
+      ``backward_overhead``, by least squares over every stage's mean compute time (time spent waiting for
+      messages excluded), relative errors weighted equally::
+
+          measured = s * roofline + operators * (launch_overhead | backward_overhead)
+
+      ``s`` multiplies every ``alpha`` and ``op_alpha`` of the profile (clamped to [0.5, 4]);
+    * ``p2p_post_overhead``: median duration of the SEND/RECV actions (the host work of posting one);
+    * ``step_overhead``: mean over steps of the smallest per-rank time outside the actions (setup, end-of-step
+      all-reduces) minus the all-reduce time the profile already predicts;
+    * ``p2p_latency`` under load: with everything above fixed, the message latency at which the simulated step
+      (:func:`dipc.simulate.simulate_plan`, same plan) equals the mean measured one, found by bisection in
+      [0, 50 ms]; the microbenchmark's idle latency is kept in ``meta["pipeline_fit"]``.
+
+    Means, not medians, for times an iteration adds up: on a shared CPU their distribution has a long tail, and
+    medians would underestimate the sum.  Calibrate on a model and batch of the same kind as, but not identical to,
+    the ones you will simulate, with both small (overhead-bound) and large (FLOP-bound) stages so that the two
+    compute terms can be told apart.
+
+    Args:
+        pipe: a :class:`dipc.runtime.PipelineRuntime` whose compiled pipeline has a device profile.
+        batch: a batch for ``pipe.step``.
+        steps: timed steps (>= 1).
+        n_microbatches: microbatches per step (default: the runtime's).
+
+    Returns:
+        a copy of the compiled pipeline's profile with those fields set (the same on every rank).
+
+    Raises:
+        ValueError: the pipeline has no device profile, or ``steps`` < 1.
+    """
+    import numpy as np
+    import torch.distributed as dist
+
+    from .simulate import simulate_plan
+
+    compiled = pipe.compiled
+    prof = compiled.device
+    if prof is None:
+        raise ValueError("compile with device=... first: the overheads are fitted against that profile")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    samples: dict[str, list] = {}  # stage -> [measured compute seconds]
+    shape: dict[str, tuple[float, int, bool]] = {}  # stage -> (roofline seconds, operators, is backward)
+    post, tails, execs = [], [], []
+    for i in range(steps + 1):
+        pipe.step(batch, n_microbatches)
+        for p in pipe.parameters():
+            p.grad = None
+        if i == 0:
+            continue
+        w = pipe.last_workload
+        last = 0.0
+        for a, s, e, wait in pipe.last_timeline:
+            last = max(last, e)
+            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                post.append(e - s)
+                continue
+            n_ops = w.programs["F" + a.stage[1:]].chunks[a.chunk].n_nodes
+            backward = a.kind == "B"
+            roofline = w.graph.stages[a.stage].latency - n_ops * prof.overhead(backward)
+            shape[a.stage] = (roofline, n_ops, backward)
+            samples.setdefault(a.stage, []).append(e - s - wait)
+        tails.append(pipe.last_timing["execute_s"] - last)  # setup before the first action + after the last one
+        execs.append(pipe.last_timing["execute_s"])
+    mine = {k: (statistics.fmean(v), *shape[k]) for k, v in samples.items()}
+    gathered = [None] * pipe.world
+    dist.all_gather_object(gathered, (mine, post, tails, execs), group=pipe.group)
+    stages = {k: r for g in gathered for k, r in g[0].items()}
+    post = [x for g in gathered for x in g[1]]
+    tail = statistics.fmean(min(g[2][i] for g in gathered) for i in range(steps))
+    measured = statistics.fmean(max(g[3][i] for g in gathered) for i in range(steps))
+    rows = list(stages.values())
+    y = np.array([r[0] for r in rows])
+    x = np.array([[r[1], r[2] * (not r[3]), r[2] * r[3]] for r in rows], dtype=float)
+    keep = y > 0
+    coef, *_ = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())), rcond=None)
+    scale = float(np.clip(coef[0], 0.5, 4.0))
+    o_f = max(float(coef[1]), 0.0) if x[:, 1].any() else prof.launch_overhead
+    o_b = max(float(coef[2]), 0.0) if x[:, 2].any() else prof.overhead(True)
+    def allreduces(p: DeviceProfile) -> float:  # what dipc.simulate adds for the end-of-step all-reduces
+        return (p.allreduce_time(4, compiled.pp_size)
+                + sum(p.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
+
+    post_s = statistics.median(post) if post else prof.p2p_post_overhead
+    step_s = max(tail - allreduces(prof), 0.0)
+    # message latency under load: match the simulated step of the same plan to the measured one
+    plan = pipe.last_plan
+    lat = {k: scale * r[1] + r[2] * (o_b if r[3] else o_f) for k, r in stages.items()}
+    def sim(latency: float) -> float:
+        def comm(tensors):
+            return latency + prof.alpha_for("p2p") * sum(t.nbytes for t in tensors) / prof.p2p_bandwidth
+        epi = step_s + allreduces(dataclasses.replace(prof, p2p_latency=latency))
+        return simulate_plan(plan, lat, comm_time=comm, post_overhead=post_s, epilogue=epi,
+                             rendezvous=latency).iteration_time
+
+    lo, hi = 0.0, 0.05
+    if sim(lo) >= measured:
+        latency = 0.0
+    elif sim(hi) <= measured:
+        latency = hi
+    else:
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if sim(mid) < measured else (lo, mid)
+        latency = (lo + hi) / 2
+    return dataclasses.replace(
+        prof,
+        alpha={f: a * scale if f != "p2p" else a for f, a in prof.alpha.items()},
+        op_alpha={k: a * scale for k, a in prof.op_alpha.items()},
+        launch_overhead=o_f,
+        backward_overhead=o_b,
+        p2p_post_overhead=post_s,
+        step_overhead=step_s,
+        p2p_latency=latency,
+        meta={**prof.meta, "pipeline_fit": {"contention_scale": scale, "idle_p2p_latency": prof.p2p_latency,
+                                            "measured_step_s": measured, "stages": len(rows),
+                                            "p2p_actions": len(post), "steps": steps, "ranks": pipe.world}},
+        source=prof.source + f"; alpha x{scale:.3g}, executor overheads and P2P latency under load fitted on a "
+                             f"{pipe.world}-rank pipeline ({steps} steps, {len(rows)} stages, {len(post)} P2P "
+                             "actions)")

@@ -293,7 +293,7 @@ class CompiledPipeline:
             annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
         extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written),
-                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd)}
+                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd, backward=True)}
         nodes: dict[int, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":
@@ -376,6 +376,24 @@ class CompiledPipeline:
                 n = t.numel() * t.element_size()
                 total += n * (2 + optimizer_states) if isinstance(t, torch.nn.Parameter) and t.requires_grad else n
             out.append(total)
+        return out
+
+    def tied_params(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """Parameters read by chunks on more than one rank (e.g. a tied input embedding / LM head): ``(name, ranks,
+        bytes)`` per distinct tensor, in model order; the runtime all-reduces their gradients over those ranks at the
+        end of every step."""
+        ranks: dict[int, set] = {}
+        names: dict[int, str] = {}
+        for c in self.partition.chunks:
+            for n in self.chunk_params(c.index):
+                t = self._state[n]
+                ranks.setdefault(id(t), set()).add(c.rank)
+                names.setdefault(id(t), n)
+        out = []
+        for n, p in self.model.named_parameters():
+            rs = ranks.get(id(p), set())
+            if len(rs) > 1 and p.requires_grad:
+                out.append((names[id(p)], tuple(sorted(rs)), p.numel() * p.element_size()))
         return out
 
     def describe(self) -> str:

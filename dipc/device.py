@@ -108,7 +108,14 @@ class DeviceProfile:
             "mm", ...) -> efficiency factor; used by :meth:`op_latency` when its ``op`` argument names one.  The
             calibration fits one per benchmarked operator, since one factor per family cannot cover both ``add``
             and a CPU ``gelu(approximate="tanh")`` that runs 5-8x slower per byte.
-        launch_overhead: fixed seconds added to every operator (dispatch and kernel launch).
+        launch_overhead: fixed seconds added to every operator (dispatch and kernel launch) in forward.
+        backward_overhead: fixed seconds per forward operator added to a stage's backward (the autograd engine runs
+            one or more nodes per forward operator); None (default) uses ``launch_overhead``.
+        p2p_post_overhead: seconds a rank is busy posting one pipeline send or receive action (host-side work of
+            ``isend``/``irecv``: buffer allocation, dispatch, the communication library's bookkeeping); 0 in the
+            datasheet profiles.  The simulator charges it to every SEND/RECV action of a plan.
+        step_overhead: fixed seconds per training step outside the plan's actions (executor setup, the end-of-step
+            loss and tied-gradient all-reduces' host cost); 0 in the datasheet profiles.
         cache_bytes: optional on-chip cache size in bytes: an operator moving at most this many bytes uses
             ``cache_bandwidth`` instead of ``mem_bandwidth`` (a two-level roofline; None, the default and what the
             GPU datasheet profiles use, is DIP's single memory level).  ``python -m dipc.calibrate --cache-level``
@@ -133,6 +140,9 @@ class DeviceProfile:
     alpha: dict[str, float] = dataclasses.field(default_factory=lambda: {f: 1.0 for f in FAMILIES})
     op_alpha: dict[str, float] = dataclasses.field(default_factory=dict)
     launch_overhead: float = 0.0
+    backward_overhead: float | None = None
+    p2p_post_overhead: float = 0.0
+    step_overhead: float = 0.0
     cache_bytes: float | None = None
     cache_bandwidth: float | None = None
     calibrated: bool = False
@@ -147,6 +157,10 @@ class DeviceProfile:
         self.p2p_bandwidth = _check_pos("p2p_bandwidth", self.p2p_bandwidth)
         self.p2p_latency = _check_pos("p2p_latency", self.p2p_latency, allow_zero=True)
         self.launch_overhead = _check_pos("launch_overhead", self.launch_overhead, allow_zero=True)
+        if self.backward_overhead is not None:
+            self.backward_overhead = _check_pos("backward_overhead", self.backward_overhead, allow_zero=True)
+        self.p2p_post_overhead = _check_pos("p2p_post_overhead", self.p2p_post_overhead, allow_zero=True)
+        self.step_overhead = _check_pos("step_overhead", self.step_overhead, allow_zero=True)
         if (self.cache_bytes is None) != (self.cache_bandwidth is None):
             raise ValueError("cache_bytes and cache_bandwidth go together (both None or both set)")
         if self.cache_bytes is not None:
@@ -212,12 +226,14 @@ class DeviceProfile:
             t = max(t, self.alpha_for("p2p") * net_bytes / self.p2p_bandwidth)
         return self.launch_overhead + t
 
-    def op_latency_expr(self, family: str, flops: Any, bytes: Any, net_bytes: Any = 0, *, op: str | None = None):
+    def op_latency_expr(self, family: str, flops: Any, bytes: Any, net_bytes: Any = 0, *, op: str | None = None,
+                        backward: bool = False):
         """:meth:`op_latency` as a sympy expression, for symbolic costs (``dipc.passes.symcost``): ``flops``,
         ``bytes`` and ``net_bytes`` may be sympy expressions in the size symbols; the result uses ``sympy.Max`` (and
         ``sympy.Piecewise`` for the cache level), so that a chunk's sum can be compiled once with
         ``sympy.lambdify`` (e.g. ``compile_costs(nodes, extra={"latency": lambda c: profile.op_latency_expr(
-        c.family, c.flops_fwd, c.bytes_read + c.bytes_written)})``).  Counts are assumed non-negative.
+        c.family, c.flops_fwd, c.bytes_read + c.bytes_written)})``).  Counts are assumed non-negative.  With
+        ``backward=True`` the fixed term is :meth:`overhead` of the backward (``backward_overhead``).
 
         Raises:
             ValueError: unknown family.
@@ -237,7 +253,28 @@ class DeviceProfile:
         terms = [a * flops / sympy.Float(self.peak_flops), a * nbytes / bw]
         if net != 0:
             terms.append(sympy.Float(self.alpha_for("p2p")) * net / sympy.Float(self.p2p_bandwidth))
-        return sympy.Float(self.launch_overhead) + sympy.Max(*terms)
+        return sympy.Float(self.overhead(backward)) + sympy.Max(*terms)
+
+    def overhead(self, backward: bool = False) -> float:
+        """Fixed seconds per operator: ``launch_overhead`` in forward; in backward ``backward_overhead`` when set,
+        else ``launch_overhead``."""
+        if backward and self.backward_overhead is not None:
+            return self.backward_overhead
+        return self.launch_overhead
+
+    def allreduce_time(self, nbytes: float, n_ranks: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks on the P2P links:
+        ``2 (n - 1) p2p_latency + 2 (n - 1) / n * alpha["p2p"] * nbytes / p2p_bandwidth``; 0 for one rank.
+
+        Raises:
+            ValueError: ``nbytes`` negative or ``n_ranks`` < 1.
+        """
+        if nbytes < 0 or n_ranks < 1:
+            raise ValueError(f"allreduce_time needs nbytes >= 0 and n_ranks >= 1, got {nbytes}, {n_ranks}")
+        if n_ranks == 1:
+            return 0.0
+        steps = 2 * (n_ranks - 1)
+        return steps * self.p2p_latency + steps / n_ranks * self.alpha_for("p2p") * nbytes / self.p2p_bandwidth
 
     def bandwidth_for(self, nbytes: float) -> float:
         """Memory bandwidth in bytes/s that an operator moving ``nbytes`` sees: ``cache_bandwidth`` when the profile

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import time
 from collections import defaultdict
 from typing import Mapping
@@ -272,8 +273,11 @@ class Executor:
     """
 
     def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, yield_after_post: bool = False):
         self.rank = rank
+        # gloo on CPU moves data on a background thread that competes with this rank's compute for its core: giving
+        # the core away after posting lets it push the message out now instead of after the next OS time slice
+        self.yield_after_post = yield_after_post and hasattr(os, "sched_yield")
         self.device = device or torch.device("cpu")
         self.w = workload
         self.plan = plan
@@ -289,6 +293,8 @@ class Executor:
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
         self.events: list[tuple[str, str, float, float]] = []
+        self.timeline: list[tuple] = []  # (action, start, end, seconds of it spent waiting for messages)
+        self.wait_s: dict[str, float] = {}
         self.t0 = time.perf_counter()
 
     def run(self, actions=None):
@@ -303,11 +309,17 @@ class Executor:
             self._backward(a)
         elif a.kind in SENDS:
             self._send(a)
+            if self.yield_after_post:
+                os.sched_yield()
         elif a.kind in RECVS:
             self._recv(a)
+            if self.yield_after_post:
+                os.sched_yield()
         else:
             raise PlanError(f"unknown action {a}")
-        self.events.append((a.kind, str(a), t - self.t0, time.perf_counter() - self.t0))
+        end = time.perf_counter() - self.t0
+        self.events.append((a.kind, str(a), t - self.t0, end))
+        self.timeline.append((a, t - self.t0, end, self.wait_s.get(a.stage, 0.0) if a.kind in ("F", "B") else 0.0))
 
     # -- communication
     def _send(self, a):
@@ -335,11 +347,13 @@ class Executor:
         self.inbox[a.stage].append(a.msg)
 
     def _collect(self, stage: str):
+        t = time.perf_counter()
         for msg in self.inbox.pop(stage, []):
             bufs, works, a = self.recv.pop(msg)
             for wk in works:
                 self.tr.wait(wk)
             self.received[stage][a.peer_stage] = {s.name: b for s, b in zip(a.tensors, bufs)}
+        self.wait_s[stage] = time.perf_counter() - t
 
     # -- compute
     def _forward(self, a):
@@ -529,6 +543,7 @@ class PipelineRuntime:
         self.step_index = 0
         self.last_plan: Plan | None = None
         self.last_events: list = []
+        self.last_timeline: list = []
         self.last_timing: dict = {}
         self._setup_params()
 
@@ -654,7 +669,9 @@ class PipelineRuntime:
         # gradients already in tied weights (accumulation over several steps) are not summed across ranks again
         before = {pid: (None if self._param_obj[pid].grad is None else self._param_obj[pid].grad.clone())
                   for pid, _ in self._tied}
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device)
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+                      yield_after_post=dist.get_backend(self.group) == "gloo")
+        t_ex = ex.t0
         ex.run()
         ex.finish()
         zero_unreached_grads(self.compiled, w, {self.rank})
@@ -675,7 +692,10 @@ class PipelineRuntime:
         t2 = time.perf_counter()
         self.last_plan = plan
         self.last_events = ex.events
-        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
+        self.last_timeline = ex.timeline
+        self.last_workload = w
+        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0,
+                            "actions_start_s": t_ex - t1}
         self.last_microbatches = mbs
         self.step_index += 1
         return loss

@@ -4,10 +4,14 @@ DIP's planner scores schedules by simulated iteration time (shared/PAPER.md §2.
 stage latencies).  :func:`simulate_plan` replays a :class:`dipc.plan.Plan` exactly as the executor runs it:
 
 * each rank runs its actions in order; ``F`` / ``B`` take their stage latency;
-* ``SEND`` never blocks: the message arrives ``comm_time(tensors)`` seconds after the send is issued;
+* ``SEND`` and ``RECV`` never block: posting one occupies the rank for ``post_overhead`` seconds (host-side work of
+  ``isend``/``irecv``), and a message arrives ``comm_time(tensors)`` seconds after its send is posted, or, with
+  ``rendezvous`` set (P2P libraries such as gloo and NCCL move the data only once both sides have posted), after
+  ``max(send posted, receive posted + rendezvous)``;
 * a compute action starts when its rank is free and every message addressed to its stage has arrived;
 * memory: every rank holds ``static_bytes`` (parameters, gradients, optimizer state) and each forward stage's
-  ``activation_bytes`` from its start until the end of its backward; the peak of the sum is reported.
+  ``activation_bytes`` from its start until the end of its backward; the peak of the sum is reported;
+* the step ends ``epilogue`` seconds after the last action (end-of-step all-reduces, fixed per-step overhead).
 
 A plan that cannot finish (a receive whose send comes after it on the waiting chain) raises
 :class:`dipc.plan.PlanError` naming, for each blocked rank, the action and the messages it waits on.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Sequence
 
-from .plan import COMPUTE, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
+from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
 
 __all__ = ["SimResult", "simulate_plan", "simulate"]
 
@@ -32,6 +36,7 @@ class SimResult:
     Attributes:
         iteration_time: seconds from the first action to the last one's end.
         busy: per rank, ``(start, end, token, kind)`` of each compute action, in seconds.
+        comm: per rank, ``(start, end, token, kind)`` of each SEND/RECV posting (empty without ``post_overhead``).
         bubble_ratio: idle share of all ranks over the iteration: ``1 - busy time / (P * iteration_time)``.
         rank_bubble: per rank, its idle share of the iteration.
         peak_memory: per rank, bytes: ``static_bytes`` + the largest sum of live activations.
@@ -44,6 +49,7 @@ class SimResult:
     rank_bubble: list[float]
     peak_memory: list[float]
     memory_timeline: list[list[tuple[float, float]]]
+    comm: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
 
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
         """Compute actions as trace events (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``."""
@@ -59,7 +65,9 @@ class SimResult:
 def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                   activation_bytes: Mapping[str, float] | None = None,
                   static_bytes: Sequence[float] | None = None,
-                  comm_time: Callable[[Sequence[TensorSpec]], float] | None = None) -> SimResult:
+                  comm_time: Callable[[Sequence[TensorSpec]], float] | None = None,
+                  post_overhead: float = 0.0, epilogue: float = 0.0,
+                  rendezvous: float | None = None) -> SimResult:
     """Replay ``plan`` with stage latencies (see the module docstring).
 
     Args:
@@ -67,7 +75,11 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
         latency: stage key (``F:chunk:mb:sub`` / ``B:...``) -> seconds.  A missing stage raises ``KeyError``.
         activation_bytes: forward stage key -> bytes its activations occupy until its backward ends (default 0).
         static_bytes: per rank, bytes held all the time (default 0).
-        comm_time: seconds for one message's tensors to arrive (default: instantaneous).
+        comm_time: seconds for one message's tensors to arrive after its send is posted (default: instantaneous).
+        post_overhead: seconds a rank is busy posting one SEND or RECV action (default 0).
+        epilogue: seconds added after the last action (default 0).
+        rendezvous: when set, a transfer starts only once the receive is posted, plus this many seconds (the
+            receiver's ready notice); default None: transfers start when the send is posted.
 
     Returns:
         a :class:`SimResult`.
@@ -80,16 +92,30 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     n = plan.n_ranks
     static = list(static_bytes) if static_bytes is not None else [0.0] * n
     incoming = incoming_messages(plan)
-    arrive: dict[int, float] = {}
+    arrive: dict[int, tuple[float, float]] = {}  # message -> (when its send was posted, its transfer time)
+    posted: dict[int, float] = {}  # message -> when its receive was posted
     clock = [0.0] * n
     busy: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
+    comm: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
 
     def visit(r: int, i: int, a) -> None:
-        if a.kind in SENDS:
-            arrive[a.msg] = clock[r] + comm_time(a.tensors)
+        if a.kind in SENDS or a.kind in RECVS:
+            if post_overhead:
+                comm[r].append((clock[r], clock[r] + post_overhead, str(a), a.kind))
+                clock[r] += post_overhead
+            if a.kind in SENDS:
+                arrive[a.msg] = (clock[r], comm_time(a.tensors))
+            else:
+                posted[a.msg] = clock[r]
         elif a.kind in COMPUTE:
-            start = max([clock[r]] + [arrive[m] for m in incoming[a.stage]])
+            ready = []
+            for m in incoming[a.stage]:
+                sent_at, transfer = arrive[m]
+                if rendezvous is not None:
+                    sent_at = max(sent_at, posted[m] + rendezvous)
+                ready.append(sent_at + transfer)
+            start = max([clock[r]] + ready)
             end = start + latency[a.stage]
             busy[r].append((start, end, str(a), a.kind))
             clock[r] = end
@@ -99,7 +125,9 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                 mem_events[r].append((end, -act.get(stage_key("F", a.chunk, a.mb, a.sub), 0.0)))
 
     replay(plan, visit)
-    it = max((s[1] for spans in busy for s in spans), default=0.0)
+    it = max([s[1] for spans in busy for s in spans] + clock, default=0.0)
+    if it > 0:
+        it += epilogue
     busy_time = [sum(e - s for s, e, _, _ in spans) for spans in busy]
     rank_bubble = [1.0 - b / it if it > 0 else 0.0 for b in busy_time]
     bubble = 1.0 - sum(busy_time) / (n * it) if it > 0 else 0.0
@@ -115,7 +143,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
         peaks.append(peak)
         timelines.append(tl)
     return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
-                     memory_timeline=timelines)
+                     memory_timeline=timelines, comm=comm)
 
 
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
@@ -127,6 +155,13 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     P2P time from its bandwidth and latency; without one the first, nominal estimate (no transfer time).  Each
     rank's static memory defaults to :meth:`dipc.CompiledPipeline.rank_state_bytes` (parameters, gradients and
     ``optimizer_states`` optimizer tensors per parameter, buffers), so ``peak_memory`` adds live activations to it.
+
+    With a device profile the step also pays what the runtime does around the plan: ``p2p_post_overhead`` per
+    SEND/RECV action, a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
+    notice, as gloo and NCCL move data when both sides are posted), and after the last action the profile's
+    ``step_overhead``, one ring all-reduce per tied parameter over its ranks
+    (:meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
+    (:meth:`dipc.device.DeviceProfile.allreduce_time`).
 
     Returns:
         ``(result, plan)``.
@@ -143,4 +178,12 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors))  # noqa: E731
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
-    return simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes), plan
+    post, epilogue = 0.0, 0.0
+    dev = compiled.device
+    if dev is not None:
+        post = dev.p2p_post_overhead
+        epilogue = (dev.step_overhead + dev.allreduce_time(4, compiled.pp_size)
+                    + sum(dev.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
+    res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,
+                        post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency)
+    return res, plan
