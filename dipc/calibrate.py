@@ -752,11 +752,10 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
 
     Operator microbenchmarks time ATen calls alone, one process at a time; a pipeline rank also pays fx's generated
     Python, autograd recording and the autograd engine per operator, the host side of every ``isend``/``irecv`` and
-    a fixed cost per step around the plan; it computes while the other ranks compute beside it (on a CPU they share
-    caches, memory bandwidth and clock boost); and its messages are slower than an idle ping-pong (on a shared CPU
-    the communication thread waits for a core).  This runs ``steps`` + 1 training steps of ``batch`` (the first is
-    a warm-up; gradients are set to None afterwards, parameters are not updated) and fits, from the executor's own
-    timeline (DIP §2.6 calibration, done on the real executor):
+    a fixed cost per step around the plan, and it computes while the other ranks compute beside it (on a CPU they
+    share caches, memory bandwidth and clock boost).  This runs ``steps`` + 1 training steps of ``batch`` (the first
+    is a warm-up; gradients are set to None afterwards, parameters are not updated) and fits, from the executor's
+    own timeline (DIP §2.6 calibration, done on the real executor):
 
     * a contention factor ``s`` and the per-operator overheads ``launch_overhead`` (forward) and
       ``backward_overhead``, by least squares over every stage's mean compute time (time spent waiting for
@@ -765,17 +764,20 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
           measured = s * roofline + operators * (launch_overhead | backward_overhead)
 
       ``s`` multiplies every ``alpha`` and ``op_alpha`` of the profile (clamped to [0.5, 4]);
-    * ``p2p_post_overhead``: median duration of the SEND/RECV actions (the host work of posting one);
+    * ``p2p_post_overhead`` and ``p2p_post_per_byte``: least-squares line through the SEND/RECV actions'
+      durations against their message bytes (the host work of posting one, packing included);
     * ``step_overhead``: mean over steps of the smallest per-rank time outside the actions (setup, end-of-step
-      all-reduces) minus the all-reduce time the profile already predicts;
-    * ``p2p_latency`` under load: with everything above fixed, the message latency at which the simulated step
-      (:func:`dipc.simulate.simulate_plan`, same plan) equals the mean measured one, found by bisection in
-      [0, 50 ms]; the microbenchmark's idle latency is kept in ``meta["pipeline_fit"]``.
+      all-reduces) minus the all-reduce time the profile already predicts.
 
-    Means, not medians, for times an iteration adds up: on a shared CPU their distribution has a long tail, and
-    medians would underestimate the sum.  Calibrate on a model and batch of the same kind as, but not identical to,
-    the ones you will simulate, with both small (overhead-bound) and large (FLOP-bound) stages so that the two
-    compute terms can be told apart.
+    P2P latency and bandwidth stay the microbenchmark's: in a running pipeline a message whose receive is posted
+    arrives about one idle ping-pong latency after its send.  ``meta["pipeline_fit"]`` keeps the calibration step's
+    mean measured time and its simulated time with the fitted profile (an in-sample check).
+
+    Means, not medians: an iteration adds these times up, and on a shared CPU their distribution has a long tail
+    (an ``isend`` now and then blocks for a scheduler time slice, milliseconds), so medians would underestimate the
+    sum.  Calibrate on a model and batch of the same kind as, but not identical to, the ones you will simulate,
+    with both tiny (overhead-bound) and large (FLOP-bound) stages so that the two compute terms can be told apart,
+    and shortly before the runs you compare with when the machine is shared.
 
     Args:
         pipe: a :class:`dipc.runtime.PipelineRuntime` whose compiled pipeline has a device profile.
@@ -814,7 +816,7 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         for a, s, e, wait in pipe.last_timeline:
             last = max(last, e)
             if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
-                post.append(e - s)
+                post.append((sum(t.nbytes for t in a.tensors), e - s))
                 continue
             n_ops = w.programs["F" + a.stage[1:]].chunks[a.chunk].n_nodes
             backward = a.kind == "B"
@@ -842,28 +844,27 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         return (p.allreduce_time(4, compiled.pp_size)
                 + sum(p.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
 
-    post_s = statistics.median(post) if post else prof.p2p_post_overhead
-    step_s = max(tail - allreduces(prof), 0.0)
-    # message latency under load: match the simulated step of the same plan to the measured one
-    plan = pipe.last_plan
-    lat = {k: scale * r[1] + r[2] * (o_b if r[3] else o_f) for k, r in stages.items()}
-    def sim(latency: float) -> float:
-        def comm(tensors):
-            return latency + prof.alpha_for("p2p") * sum(t.nbytes for t in tensors) / prof.p2p_bandwidth
-        epi = step_s + allreduces(dataclasses.replace(prof, p2p_latency=latency))
-        return simulate_plan(plan, lat, comm_time=comm, post_overhead=post_s, epilogue=epi,
-                             rendezvous=latency).iteration_time
-
-    lo, hi = 0.0, 0.05
-    if sim(lo) >= measured:
-        latency = 0.0
-    elif sim(hi) <= measured:
-        latency = hi
+    if post:  # posting cost = fixed + per byte, least squares on the actions' mean durations
+        pb = np.array([b for b, _ in post], dtype=float)
+        pt = np.array([t for _, t in post], dtype=float)
+        if pb.max() > pb.min():
+            slope, icpt = np.polyfit(pb, pt, 1)
+            if slope < 0:
+                slope, icpt = 0.0, float(pt.mean())
+            if icpt < 0:
+                slope, icpt = float((pb * pt).sum() / (pb * pb).sum()), 0.0
+        else:
+            slope, icpt = 0.0, float(pt.mean())
+        post_s, post_b = float(icpt), float(slope)
     else:
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if sim(mid) < measured else (lo, mid)
-        latency = (lo + hi) / 2
+        post_s, post_b = prof.p2p_post_overhead, prof.p2p_post_per_byte
+    step_s = max(tail - allreduces(prof), 0.0)
+    # the calibration step itself, simulated with the fitted profile (an in-sample check kept in meta)
+    lat = {k: scale * r[1] + r[2] * (o_b if r[3] else o_f) for k, r in stages.items()}
+    simulated = simulate_plan(
+        pipe.last_plan, lat, comm_time=lambda ts: prof.p2p_time(sum(t.nbytes for t in ts)),
+        post_overhead=lambda ts: post_s + post_b * sum(t.nbytes for t in ts), epilogue=step_s + allreduces(prof),
+        rendezvous=prof.p2p_latency).iteration_time
     return dataclasses.replace(
         prof,
         alpha={f: a * scale if f != "p2p" else a for f, a in prof.alpha.items()},
@@ -871,11 +872,10 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         launch_overhead=o_f,
         backward_overhead=o_b,
         p2p_post_overhead=post_s,
+        p2p_post_per_byte=post_b,
         step_overhead=step_s,
-        p2p_latency=latency,
-        meta={**prof.meta, "pipeline_fit": {"contention_scale": scale, "idle_p2p_latency": prof.p2p_latency,
-                                            "measured_step_s": measured, "stages": len(rows),
+        meta={**prof.meta, "pipeline_fit": {"contention_scale": scale, "measured_step_s": measured,
+                                            "simulated_step_s": simulated, "stages": len(rows),
                                             "p2p_actions": len(post), "steps": steps, "ranks": pipe.world}},
-        source=prof.source + f"; alpha x{scale:.3g}, executor overheads and P2P latency under load fitted on a "
-                             f"{pipe.world}-rank pipeline ({steps} steps, {len(rows)} stages, {len(post)} P2P "
-                             "actions)")
+        source=prof.source + f"; alpha x{scale:.3g} and executor overheads fitted on a {pipe.world}-rank pipeline "
+                             f"({steps} steps, {len(rows)} stages, {len(post)} P2P actions)")

@@ -114,6 +114,8 @@ class DeviceProfile:
         p2p_post_overhead: seconds a rank is busy posting one pipeline send or receive action (host-side work of
             ``isend``/``irecv``: buffer allocation, dispatch, the communication library's bookkeeping); 0 in the
             datasheet profiles.  The simulator charges it to every SEND/RECV action of a plan.
+        p2p_post_per_byte: seconds per message byte added to posting it (packing the message's tensors into one
+            buffer, and on CPU the part of the transfer the posting thread does itself); 0 in the datasheet profiles.
         step_overhead: fixed seconds per training step outside the plan's actions (executor setup, the end-of-step
             loss and tied-gradient all-reduces' host cost); 0 in the datasheet profiles.
         cache_bytes: optional on-chip cache size in bytes: an operator moving at most this many bytes uses
@@ -142,6 +144,7 @@ class DeviceProfile:
     launch_overhead: float = 0.0
     backward_overhead: float | None = None
     p2p_post_overhead: float = 0.0
+    p2p_post_per_byte: float = 0.0
     step_overhead: float = 0.0
     cache_bytes: float | None = None
     cache_bandwidth: float | None = None
@@ -161,6 +164,7 @@ class DeviceProfile:
             self.backward_overhead = _check_pos("backward_overhead", self.backward_overhead, allow_zero=True)
         self.p2p_post_overhead = _check_pos("p2p_post_overhead", self.p2p_post_overhead, allow_zero=True)
         self.step_overhead = _check_pos("step_overhead", self.step_overhead, allow_zero=True)
+        self.p2p_post_per_byte = _check_pos("p2p_post_per_byte", self.p2p_post_per_byte, allow_zero=True)
         if (self.cache_bytes is None) != (self.cache_bandwidth is None):
             raise ValueError("cache_bytes and cache_bandwidth go together (both None or both set)")
         if self.cache_bytes is not None:
@@ -261,6 +265,11 @@ class DeviceProfile:
         if backward and self.backward_overhead is not None:
             return self.backward_overhead
         return self.launch_overhead
+
+    def post_time(self, nbytes: float) -> float:
+        """Seconds a rank is busy posting one pipeline send or receive of ``nbytes``:
+        ``p2p_post_overhead + p2p_post_per_byte * nbytes``."""
+        return self.p2p_post_overhead + self.p2p_post_per_byte * max(nbytes, 0.0)
 
     def allreduce_time(self, nbytes: float, n_ranks: int) -> float:
         """Seconds of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks on the P2P links:

@@ -35,7 +35,36 @@ from .schedule import Edge, Stage, StageGraph, list_schedule, lower
 
 __all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor"]
 
-_MAX_TENSORS_PER_MSG = 1024
+_ALIGN = 64  # bytes: every tensor of a packed message starts at a multiple of this
+
+
+def _layout(specs) -> tuple[list[int], int]:
+    """Byte offset of each tensor of a message in its packed buffer, and the buffer's size (no padding after the
+    last tensor, so a one-tensor message is exactly that tensor's bytes)."""
+    offsets, off, end = [], 0, 0
+    for spec in specs:
+        offsets.append(off)
+        end = off + spec.nbytes
+        off += -(-spec.nbytes // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _pack(tensors, specs, device) -> torch.Tensor:
+    """One uint8 buffer holding a message's tensors (one ``isend`` per message, whatever its tensor count)."""
+    offsets, total = _layout(specs)
+    if len(tensors) == 1 and tensors[0].is_contiguous():
+        return tensors[0].reshape(-1).view(torch.uint8)
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    for t, off, spec in zip(tensors, offsets, specs):
+        buf[off:off + spec.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, specs) -> dict[str, torch.Tensor]:
+    """Views of a received packed buffer, by tensor name (the inverse of :func:`_pack`)."""
+    offsets, _ = _layout(specs)
+    return {spec.name: buf[off:off + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
+            for off, spec in zip(offsets, specs)}
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -328,31 +357,28 @@ class Executor:
             src = self.outputs[fk]
         else:
             src = self.out_grads.pop((fk, _fkey(a.peer_chunk, a.mb, a.peer_sub)))
-        if len(a.tensors) > _MAX_TENSORS_PER_MSG:
-            raise PlanError(f"message {a.msg} carries {len(a.tensors)} tensors (max {_MAX_TENSORS_PER_MSG})")
-        for i, spec in enumerate(a.tensors):
-            t = src[spec.name].detach().contiguous()
+        tensors = []
+        for spec in a.tensors:
+            t = src[spec.name].detach()
             if tuple(t.shape) != spec.shape or _dtype_name(t.dtype) != spec.dtype:
                 raise PlanError(f"{a}: tensor {spec.name} is {tuple(t.shape)} {t.dtype}, the plan says {spec.shape} "
                                 f"{spec.dtype}")
-            self.sends.append((self.tr.isend(t, a.peer_rank, a.msg * _MAX_TENSORS_PER_MSG + i), t))
+            tensors.append(t)
+        buf = _pack(tensors, a.tensors, self.device)
+        self.sends.append((self.tr.isend(buf, a.peer_rank, a.msg), buf))
 
     def _recv(self, a):
-        bufs, works = [], []
-        for i, spec in enumerate(a.tensors):
-            buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=self.device)
-            works.append(self.tr.irecv(buf, a.peer_rank, a.msg * _MAX_TENSORS_PER_MSG + i))
-            bufs.append(buf)
-        self.recv[a.msg] = (bufs, works, a)
+        layout, total = _layout(a.tensors)
+        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.recv[a.msg] = (buf, self.tr.irecv(buf, a.peer_rank, a.msg), a)
         self.inbox[a.stage].append(a.msg)
 
     def _collect(self, stage: str):
         t = time.perf_counter()
         for msg in self.inbox.pop(stage, []):
-            bufs, works, a = self.recv.pop(msg)
-            for wk in works:
-                self.tr.wait(wk)
-            self.received[stage][a.peer_stage] = {s.name: b for s, b in zip(a.tensors, bufs)}
+            buf, work, a = self.recv.pop(msg)
+            self.tr.wait(work)
+            self.received[stage][a.peer_stage] = _unpack(buf, a.tensors)
         self.wait_s[stage] = time.perf_counter() - t
 
     # -- compute

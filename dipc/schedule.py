@@ -11,8 +11,8 @@ stage's priority here favours earlier microbatches) and without the memory ILP (
 * optional memory limit: while a rank's live activations exceed it, its forward queue is blocked.
 
 :func:`lower` turns the per-rank order into a :class:`dipc.plan.Plan`: a ``SEND`` right after the stage that
-produces a message, and the matching ``RECV`` posted on the receiver before the first stage that needs it, in the
-sender's order (so the plan is valid under in-order matching too).
+produces a message, and the matching ``RECV`` posted on the receiver one compute action ahead of the first stage
+that needs it (``recv_lookahead``), in the sender's order (so the plan is valid under in-order matching too).
 """
 from __future__ import annotations
 
@@ -171,8 +171,19 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
 
 
 def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step: int = 0,
-          microbatches: list[dict] | None = None) -> Plan:
-    """Turn a schedule into a plan with explicit sends and receives (see the module docstring)."""
+          microbatches: list[dict] | None = None, recv_lookahead: int = 1) -> Plan:
+    """Turn a schedule into a plan with explicit sends and receives (see the module docstring).
+
+    ``recv_lookahead``: a rank posts the receives of its next ``recv_lookahead`` compute actions before running the
+    current one (0: just before the consumer), so that a peer's send finds its receive posted and the transfer
+    overlaps the current action (gloo and NCCL move data only once both sides are posted); each posted receive
+    holds its buffer from then on.  Receives from one peer stay in that peer's send order.
+
+    Raises:
+        ValueError: ``recv_lookahead`` is negative.
+    """
+    if recv_lookahead < 0:
+        raise ValueError(f"recv_lookahead must be >= 0, got {recv_lookahead}")
     n_ranks = len(schedule.order)
     preds = graph.preds()
     # messages: one per cross-rank edge that carries tensors, numbered in the sender's order
@@ -195,24 +206,29 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
         return Action(kind=kind, chunk=here.chunk, mb=here.mb, sub=here.sub, peer_rank=there.rank,
                       peer_chunk=there.chunk, peer_sub=there.sub, msg=m, tensors=tuple(tensors))
 
+    def post_receives(r: int, k: str) -> None:
+        for e in preds[k]:
+            src = graph.stages[e.src]
+            if (e.src, e.dst) not in msg_id:
+                continue
+            m = msg_id[(e.src, e.dst)]
+            if m in posted:
+                continue
+            queue = pending[(src.rank, r)]
+            while queue:
+                mm, ee = queue.pop(0)
+                posted.add(mm)
+                ranks[r].append(comm_action("RECV_" + ee.src[0], graph.stages[ee.dst], graph.stages[ee.src],
+                                            mm, ee.tensors))
+                if mm == m:
+                    break
+
     for r in range(n_ranks):
-        for k in schedule.order[r]:
+        order = schedule.order[r]
+        for i, k in enumerate(order):
             s = graph.stages[k]
-            for e in preds[k]:
-                src = graph.stages[e.src]
-                if (e.src, e.dst) not in msg_id:
-                    continue
-                m = msg_id[(e.src, e.dst)]
-                if m in posted:
-                    continue
-                queue = pending[(src.rank, r)]
-                while queue:
-                    mm, ee = queue.pop(0)
-                    posted.add(mm)
-                    ranks[r].append(comm_action("RECV_" + ee.src[0], graph.stages[ee.dst], graph.stages[ee.src],
-                                                mm, ee.tensors))
-                    if mm == m:
-                        break
+            for j in range(i, min(i + recv_lookahead, len(order) - 1) + 1):
+                post_receives(r, order[j])
             ranks[r].append(Action(kind=s.kind, chunk=s.chunk, mb=s.mb, sub=s.sub))
             for e in sorted(out_msgs[k], key=lambda e: msg_id[(e.src, e.dst)]):
                 ranks[r].append(comm_action("SEND_" + s.kind, s, graph.stages[e.dst], msg_id[(e.src, e.dst)],

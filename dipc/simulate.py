@@ -66,7 +66,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                   activation_bytes: Mapping[str, float] | None = None,
                   static_bytes: Sequence[float] | None = None,
                   comm_time: Callable[[Sequence[TensorSpec]], float] | None = None,
-                  post_overhead: float = 0.0, epilogue: float = 0.0,
+                  post_overhead: float | Callable[[Sequence[TensorSpec]], float] = 0.0, epilogue: float = 0.0,
                   rendezvous: float | None = None) -> SimResult:
     """Replay ``plan`` with stage latencies (see the module docstring).
 
@@ -76,7 +76,8 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
         activation_bytes: forward stage key -> bytes its activations occupy until its backward ends (default 0).
         static_bytes: per rank, bytes held all the time (default 0).
         comm_time: seconds for one message's tensors to arrive after its send is posted (default: instantaneous).
-        post_overhead: seconds a rank is busy posting one SEND or RECV action (default 0).
+        post_overhead: seconds a rank is busy posting one SEND or RECV action (default 0), or a function of the
+            action's tensors.
         epilogue: seconds added after the last action (default 0).
         rendezvous: when set, a transfer starts only once the receive is posted, plus this many seconds (the
             receiver's ready notice); default None: transfers start when the send is posted.
@@ -101,9 +102,10 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
 
     def visit(r: int, i: int, a) -> None:
         if a.kind in SENDS or a.kind in RECVS:
-            if post_overhead:
-                comm[r].append((clock[r], clock[r] + post_overhead, str(a), a.kind))
-                clock[r] += post_overhead
+            cost = post_overhead(a.tensors) if callable(post_overhead) else post_overhead
+            if cost:
+                comm[r].append((clock[r], clock[r] + cost, str(a), a.kind))
+                clock[r] += cost
             if a.kind in SENDS:
                 arrive[a.msg] = (clock[r], comm_time(a.tensors))
             else:
@@ -156,8 +158,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     rank's static memory defaults to :meth:`dipc.CompiledPipeline.rank_state_bytes` (parameters, gradients and
     ``optimizer_states`` optimizer tensors per parameter, buffers), so ``peak_memory`` adds live activations to it.
 
-    With a device profile the step also pays what the runtime does around the plan: ``p2p_post_overhead`` per
-    SEND/RECV action, a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
+    With a device profile the step also pays what the runtime does around the plan: posting each SEND/RECV action
+    (:meth:`dipc.device.DeviceProfile.post_time`), a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
     notice, as gloo and NCCL move data when both sides are posted), and after the last action the profile's
     ``step_overhead``, one ring all-reduce per tied parameter over its ranks
     (:meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
@@ -181,7 +183,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     post, epilogue = 0.0, 0.0
     dev = compiled.device
     if dev is not None:
-        post = dev.p2p_post_overhead
+        post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors))  # noqa: E731
         epilogue = (dev.step_overhead + dev.allreduce_time(4, compiled.pp_size)
                     + sum(dev.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,

@@ -258,3 +258,22 @@ def test_calibrate_cuda_quick():
     cal = calibrate("cuda", quick=True, p2p=torch.cuda.device_count() >= 2, verbose=False)
     p = cal.profile
     assert p.calibrated and p.dtype == "bfloat16" and p.peak_flops > 1e12 and p.mem_bandwidth > 1e11
+
+
+def test_executor_overheads_post_time_and_allreduce():
+    p = _toy(backward_overhead=3e-6, p2p_post_overhead=2e-5, p2p_post_per_byte=1e-9, step_overhead=1e-3)
+    assert p.overhead() == 1e-6 and p.overhead(backward=True) == 3e-6
+    assert _toy().overhead(backward=True) == 1e-6  # falls back to launch_overhead
+    assert p.post_time(1000) == pytest.approx(2e-5 + 1e-6)
+    # ring all-reduce: 2 (n - 1) latencies + 2 (n - 1) / n of the bytes at alpha_p2p / bandwidth
+    assert p.allreduce_time(1e6, 4) == pytest.approx(6 * 5e-6 + 1.5 * 1.2 * 1e6 / 1e10)
+    assert p.allreduce_time(1e6, 1) == 0.0
+    with pytest.raises(ValueError, match="n_ranks >= 1"):
+        p.allreduce_time(10, 0)
+    assert DeviceProfile.from_json(p.to_json()) == p
+    for field in ("backward_overhead", "p2p_post_overhead", "p2p_post_per_byte", "step_overhead"):
+        with pytest.raises(ValueError, match=field):
+            _toy(**{field: -1.0})
+    import sympy
+    e = p.op_latency_expr("matmul", sympy.Integer(0), sympy.Integer(0), backward=True)
+    assert float(e) == pytest.approx(3e-6)
