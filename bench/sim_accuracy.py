@@ -37,6 +37,14 @@ CASES = [  # (name, vision dim, text dim, layers, images per sample, seq, batch,
 CALIBRATION = ("calibration", 48, 192, 4, [3, 1, 2, 2], 160, 4, 2, 2)
 
 
+MISSES = """
+Where it misses, and why (see docs/status.md for the measurements): steps of one case vary by +-20% within a run on
+this shared 2-vCPU VM, and an `isend` now and then blocks for a scheduler time slice (2-4 ms); the simulator uses
+mean stage and posting times and does not model that variance, so cases made of many short stages miss most. The
+machine's speed also drifts up to 2x within minutes, hence the re-fit before each case.
+"""
+
+
 def _model(vdim, tdim, layers):
     from dipc.models import ReferenceVLM, VLMConfig
     from dipc.models.language import TextConfig
@@ -153,6 +161,7 @@ def main(argv=None):
                 "of the cases; `dipc.calibrate.fit_pipeline_overheads`), because this shared machine's speed drifts "
                 "over minutes.\n\n")
         f.write(table + "\n")
+        f.write(MISSES)
     print(table)
 
 

@@ -3,9 +3,11 @@
     python bench/trace_step.py [--out docs]
 
 Writes ``gantt_simulated.png``, ``trace_simulated.json``, ``gantt_measured.png`` and ``trace_measured.json``
-(open the JSON files in https://ui.perfetto.dev or chrome://tracing).  The simulated step uses the compiled
-pipeline's first, uncalibrated cost estimate (nominal 1 TFLOP/s, 100 GB/s), so its time scale differs from the
-measured one until the calibrated cost model lands; the order of actions is the plan both share.
+(open the JSON files in https://ui.perfetto.dev or chrome://tracing).  The CPU profile is calibrated by operator
+microbenchmarks (``dipc.calibrate``, quick) and then on this pipeline itself
+(:func:`dipc.calibrate.fit_pipeline_overheads`, on other batches than the drawn one); the pipeline is re-compiled with
+that profile, so the simulated step is the planner's prediction of the measured one, on the same time scale, for
+the plan both share.  Compute actions are drawn; SEND/RECV postings and waits are the gaps.
 """
 from __future__ import annotations
 
@@ -16,18 +18,25 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _measure(rank, world, out):
+def _measure(rank, world, out, profile_json):
     import torch
     import dipc
+    from dipc.calibrate import fit_pipeline_overheads
+    from dipc.device import DeviceProfile
     from dipc.models import ReferenceVLM, VLMConfig
     from dipc.models.data import vlm_batches
     from dipc.trace import gantt_png, write_chrome_trace
     torch.manual_seed(0)
     cfg = VLMConfig.tiny()
     batches = list(vlm_batches(cfg, 3, 4, 1, max_seq=48))
-    compiled = dipc.compile(ReferenceVLM(cfg), batches[0], world, sub_microbatch_size={"vision": 4})
+    model = ReferenceVLM(cfg)
+    compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 4},
+                            device=DeviceProfile.from_json(profile_json))
+    prof = fit_pipeline_overheads(compiled.runtime(n_microbatches=4), batches[1], steps=4)
+    compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 4}, device=prof)
     pipe = compiled.runtime(n_microbatches=4)
     pipe.step(batches[1])  # warm-up
+    pipe.step(batches[2])
     pipe.step(batches[2])
     events = pipe.trace_events()
     if rank == 0:
@@ -36,9 +45,9 @@ def _measure(rank, world, out):
         res, plan = dipc.simulate(compiled, batches[2], 4)
         ev = res.events({c.index: c.modality for c in compiled.partition.chunks})
         write_chrome_trace(ev, os.path.join(out, "trace_simulated.json"), "dipc: simulated step, reference VLM")
-        gantt_png(ev, os.path.join(out, "gantt_simulated.png"), "simulated step (uncalibrated estimate)")
+        gantt_png(ev, os.path.join(out, "gantt_simulated.png"), "simulated step (calibrated CPU profile)")
         return {"plan": plan.to_text(), "sim_iteration_s": res.iteration_time, "bubble": res.bubble_ratio,
-                "measured_s": pipe.last_timing["execute_s"]}
+                "measured_s": pipe.last_timing["execute_s"], "fit": prof.meta["pipeline_fit"]}
     return None
 
 
@@ -47,11 +56,16 @@ def main(argv=None):
     p.add_argument("--out", default="docs")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    from dipc.calibrate import calibrate
     from dipc.launch import spawn
-    r = spawn(_measure, 2, (os.path.abspath(args.out),), timeout=600)[0]
+    base = calibrate("cpu", quick=True, verbose=False).profile
+    r = spawn(_measure, 2, (os.path.abspath(args.out), base.to_json()), timeout=600)[0]
     print(r["plan"])
     print(f"simulated iteration {r['sim_iteration_s'] * 1e3:.3f} ms (bubble ratio {r['bubble']:.3f}); "
           f"measured execution {r['measured_s'] * 1e3:.1f} ms")
+    f = r["fit"]
+    print(f"calibration steps (batch 1): measured {f['measured_step_s'] * 1e3:.1f} ms, simulated "
+          f"{f['simulated_step_s'] * 1e3:.1f} ms with the fitted profile")
     print(f"wrote {args.out}/gantt_simulated.png, trace_simulated.json, gantt_measured.png, trace_measured.json")
 
 

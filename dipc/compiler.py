@@ -199,12 +199,19 @@ class CompiledPipeline:
                                  f"of {type(model).__name__}; the graph's modalities are {sorted(found)}")
         annotate_cost(cap.graph)
         self.rule_notes: dict[str, str] = {}
-        module_latency = None
+        module_latency = node_seconds = None
         if device is not None:
-            instances, module_latency = self._dip_rules(cap, instances, auto_b or set())
+            instances, module_latency, node_seconds = self._dip_rules(cap, instances, auto_b or set())
             self.batch_spec.instances = list(instances)
         self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
-                                              module_latency=module_latency)
+                                              module_latency=module_latency, node_seconds=node_seconds)
+        # forward + backward seconds per chunk on the device profile, at the sizes the partition balanced
+        self.chunk_seconds: dict[int, float] = {}
+        if node_seconds is not None:
+            for n in cap.graph.nodes:
+                if n.op == "call_function":
+                    c = n.meta["dipc_chunk"]
+                    self.chunk_seconds[c] = self.chunk_seconds.get(c, 0.0) + node_seconds.get(n.name, 0.0)
         for inst in instances:
             if inst.modality not in self.partition.modalities:
                 raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
@@ -251,7 +258,8 @@ class CompiledPipeline:
         """DIP §2.1 on the device profile: B_i = the smallest sub-microbatch size keeping >= 95% of module i's peak
         efficiency (instances per second of its forward + backward, sizes 1..64), for instance modalities whose
         B_i was not given; T_i = module i's latency at B_i (other modules: on the example batch), for K_i =
-        floor(T_i / T_1).  Returns (instances, module latency)."""
+        floor(T_i / T_1); and every node's forward + backward seconds at those sizes, by which the partition
+        balances blocks.  Returns (instances, module latency, node seconds)."""
         annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
         extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written)
@@ -268,6 +276,7 @@ class CompiledPipeline:
             name = next(k for k, v in cap.input_keys.items() if v == key)
             example[sym] = int(ph[name].meta["val"].shape[d].node.hint)
         latency = {m: costs[m](example)["latency"] for m in costs}
+        at: dict[str, dict] = {}  # modality -> sizes its T_i is taken at (instance modalities: B_i instances)
         out = []
         for inst in instances:
             sym = next((sym for sym, key, d in binds if key == inst.keys[0] and d == 0), None)
@@ -284,8 +293,16 @@ class CompiledPipeline:
                 self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
                 inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
             latency[inst.modality] = t.get(b_i, latency[inst.modality])
+            at[inst.modality] = {**example, sym: b_i}
             out.append(inst)
-        return out, latency
+        node_seconds = {}
+        for m, ns in by_mod.items():
+            values = at.get(m, example)
+            for n in ns:
+                c = n.meta.get("dipc_symcost")
+                if c is not None:
+                    node_seconds[n.name] = float(extra["latency"](c).xreplace(values))
+        return out, latency, node_seconds
 
     def _chunk_costs(self, cap: Capture) -> dict:
         """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6)."""
@@ -397,7 +414,9 @@ class CompiledPipeline:
         return out
 
     def describe(self) -> str:
-        """A table of the chunks: rank, modality, segment, layers, parameters, estimated forward cost."""
+        """A table of the chunks: rank, modality, segment, layers, parameters, estimated forward cost, and with a
+        device profile each chunk's forward + backward milliseconds on it (at B_i instances for instance modalities,
+        the example batch's sizes otherwise), which the partition balanced."""
         part = self.partition
         lines = [f"dipc pipeline: P={self.pp_size}, modalities {part.modalities}"]
         for m in part.modalities:
@@ -408,14 +427,16 @@ class CompiledPipeline:
             lines.append(f"  {m}: {part.n_blocks[m]} block(s) in {part.block_container.get(m, '(none)')}, "
                          f"K_i={part.chunks_per_rank[m]} chunk(s) per rank{b}, est. forward "
                          f"{node_latency(part.module_cost[m]) * 1e3:.3f} ms")
+        dev_col = f" {'F+B ms on ' + self.device.name:>16}" if self.chunk_seconds else ""
         lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'seg':>3} {'layers':>10} {'params':>12} "
-                     f"{'GFLOP':>9} {'est. ms':>8}")
+                     f"{'GFLOP':>9} {'est. ms':>8}{dev_col}")
         for c in part.chunks:
             blocks = part.block_numbers[c.modality][c.blocks[0]:c.blocks[1]]
             layers = f"{blocks[0]}-{blocks[-1]}" if blocks else "-"
             n_params = sum(self._state[n].numel() for n in set(self.chunk_params(c.index)))
             lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>3} {layers:>10} {n_params:>12,} "
-                         f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}")
+                         f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}"
+                         + (f" {self.chunk_seconds.get(c.index, 0.0) * 1e3:>16.4f}" if self.chunk_seconds else ""))
         if self.specialized:
             dims = [f"{k}.shape[{d}]" for k, d in self.specialized]
             lines.append(f"static dims (re-captured per value when they change): {', '.join(dims)}")

@@ -8,7 +8,8 @@ Follows DIP's modality-aware partitioning (shared/PAPER.md §2.1):
   merge) join the first block, nodes between blocks join the next block, nodes after the last block (final norm, LM
   head, loss) join the last block;
 * blocks are grouped into chunks minimising the largest chunk cost (linear partition by dynamic programming), every
-  block in exactly one chunk, however the block count divides;
+  block in exactly one chunk, however the block count divides; the cost is the device profile's forward + backward
+  seconds when the compiler has one (``node_seconds``), else the first, nominal estimate;
 * chunk ``k * P + r`` of module i lives on rank ``r`` (Megatron VPP placement); ``P`` consecutive chunks of one
   module form a pipeline segment;
 * ``K_i = floor(T_i / T_1)`` with ``T_i`` module i's estimated latency at its sub-microbatch size and ``T_1`` the
@@ -212,7 +213,8 @@ def chunks_per_rank_rule(module_latency: Mapping[str, float]) -> dict[str, int]:
 
 def partition(graph: torch.fx.Graph, pp_size: int, *,
               chunks_per_rank: Mapping[str, int] | None = None,
-              module_latency: Mapping[str, float] | None = None) -> Partition:
+              module_latency: Mapping[str, float] | None = None,
+              node_seconds: Mapping[str, float] | None = None) -> Partition:
     """Cut every modality module of an annotated graph into ``pp_size * K_i`` chunks (see the module docstring).
 
     Args:
@@ -221,6 +223,9 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
         chunks_per_rank: K_i per modality; modalities not given follow the DIP rule, capped at ``L_i // P``.
         module_latency: T_i per modality used by the rule (seconds); defaults to each module's estimated
             latency on the example batch.
+        node_seconds: node name -> seconds (e.g. forward + backward on a device profile, at the sizes the modules
+            will run at); when given, blocks are balanced by the sum of their nodes' seconds (nodes not listed count
+            0) instead of the first estimate's ``node_latency(dipc_cost)``.
 
     Returns:
         a :class:`Partition`; nodes get ``dipc_block`` and ``dipc_chunk`` metadata.
@@ -259,8 +264,13 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
 
     chunks: list[ChunkInfo] = []
     block_to_chunk: dict[tuple[str, int], int] = {}
+    seconds: dict[str, list[float]] | None = None
+    if node_seconds is not None:
+        seconds = {m: [0.0] * len(blocks[m]) for m in modalities}
+        for n in nodes:
+            seconds[n.meta["dipc_modality"]][n.meta["dipc_block"]] += float(node_seconds.get(n.name, 0.0))
     for m in modalities:
-        costs = [node_latency(c) for c in block_cost[m]]
+        costs = seconds[m] if seconds is not None else [node_latency(c) for c in block_cost[m]]
         for pos, (lo, hi) in enumerate(balanced_cuts(costs, pp_size * K[m])):
             idx = len(chunks)
             chunks.append(ChunkInfo(index=idx, modality=m, position=pos, segment=pos // pp_size,

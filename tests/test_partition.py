@@ -38,3 +38,27 @@ def test_k_rule_floor_of_latency_ratio():
     """DIP §2.1: K_i = floor(T_i / T_1), T_1 the fastest module."""
     assert chunks_per_rank_rule({"vision": 6.75, "text": 10.5}) == {"vision": 1, "text": 1}
     assert chunks_per_rank_rule({"vision": 1.0, "text": 2.9, "dit": 4.0}) == {"vision": 1, "text": 2, "dit": 4}
+
+
+def test_blocks_balanced_by_device_seconds():
+    """With per-node seconds (the compiler passes forward + backward on its device profile), the cuts balance those
+    and not the nominal estimate: making the first text layer 30x heavier gives it a chunk of its own."""
+    import torch
+    import pipeline_cases as pc
+    from dipc.capture import capture
+    from dipc.passes.cost import annotate_cost
+    from dipc.passes.modality import DEFAULT_RULES, annotate_modality
+    from dipc.passes.partition import partition
+
+    torch.manual_seed(0)
+    cap = capture(pc.vlm(text_layers=6), pc.vlm_batch([1, 1], 12, 0))
+    annotate_modality(cap.graph, DEFAULT_RULES)
+    annotate_cost(cap.graph)
+    even = partition(cap.graph, 2, chunks_per_rank={"vision": 1, "text": 1})
+    assert [c.blocks for c in even.chunks_of("text")] == [(0, 3), (3, 6)]
+    seconds = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            seconds[n.name] = 1e-6 * (30 if n.meta["dipc_modality"] == "text" and n.meta["dipc_block"] == 0 else 1)
+    heavy = partition(cap.graph, 2, chunks_per_rank={"vision": 1, "text": 1}, node_seconds=seconds)
+    assert [c.blocks for c in heavy.chunks_of("text")] == [(0, 1), (1, 6)]

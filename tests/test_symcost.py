@@ -6,7 +6,7 @@
     (same capture, no re-trace);
 (c) VLM-L widths (ViT 22B + Qwen2 72B) on the meta device: costs without materialising a weight.
 
-The timing of costing 64 microbatches of the full VLM-L is a bench, not a test: ``python tests/test_symcost.py``.
+The timing of costing 64 microbatches of the full VLM-L is a bench, not a test: ``python bench/vlm_l_costing.py``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import dataclasses
 import math
 import os
 import sys
-import time
 
 import pytest
 import sympy
@@ -449,98 +448,9 @@ def test_vlm_l_widths_on_meta():
         assert got["activation_bytes"] > 0 and got["flops_bwd"] > 2 * got["flops_fwd"] * 0.9
 
 
-# ------------------------------------------------------------------------------------------------ bench
-def bench_vlm_l(n_microbatches: int = 64, pp_size: int = 8, repeats: int = 5, seed: int = 0) -> dict:
-    """Cost one batch of ``n_microbatches`` packed VLM-L microbatches (2 x 8192 tokens, 0..48 images each) for
-    every chunk of a ``pp_size``-rank partition; vision chunks per sub-microbatch of 12 images (B_i, PAPER.md §3.6).
-    Prints and returns the timings (seconds).  Captures the full paper-size model on meta (about a minute)."""
-    from dipc.models.configs import build_on_meta, vlm_l
-    from dipc.passes.cost import annotate_cost
-    from dipc.passes.modality import DEFAULT_RULES, annotate_modality
-    from dipc.passes.partition import partition
-
-    cfg = vlm_l()
-    model = build_on_meta(cfg)
-    t0 = time.perf_counter()
-    cap = capture(model, vlm_l_meta_batch(cfg))
-    t1 = time.perf_counter()
-    annotate_modality(cap.graph, DEFAULT_RULES)
-    annotate_cost(cap.graph)
-    part = partition(cap.graph, pp_size)
-    t2 = time.perf_counter()
-    annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
-    t3 = time.perf_counter()
-    costs = compile_groups(cap.graph)
-    t4 = time.perf_counter()
-    assert all(p.is_meta for p in model.parameters())
-    modality = {c.index: c.modality for c in part.chunks}
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, 49, (n_microbatches,), generator=g).tolist()
-    b_i = 12
-    ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
-    sym = {}
-    for name, key in cap.input_keys.items():
-        for d, s in enumerate(ph[name].meta["val"].shape):
-            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
-                sym[(key, d)] = s.node.expr
-    size = cfg.image_size
-
-    def binding(n_images):  # a microbatch of 2 x 8192 tokens with n_images images
-        shapes = {"input_ids": (2, 8192), "labels": (2, 8192), "pixel_values": (n_images, 3, size, size)}
-        return {s: shapes[k][d] for (k, d), s in sym.items()}
-
-    work = []  # (compiled cost, bindings) per (chunk, microbatch, sub-microbatch)
-    for n in counts:
-        subs = [min(b_i, n - i) for i in range(0, n, b_i)] or [0]
-        for c, cc in costs.items():
-            for k in (subs if modality[c] == "vision" else [n]):
-                work.append((cc, binding(k)))
-    def timed(fn):
-        best = float("inf")
-        for _ in range(repeats):
-            for cc in costs.values():
-                cc.cache_clear()
-            s = time.perf_counter()
-            out = fn()
-            best = min(best, time.perf_counter() - s)
-        return best, out
-
-    def per_call():  # memoised per (chunk, shape) within the batch, cold at its start
-        return sum(cc(bd)["flops_fwd"] for cc, bd in work)
-
-    def no_memo():  # every evaluation runs the generated function
-        return sum(dict(zip(cc.fields, map(float, cc.values(*cc._args(bd)))))["flops_fwd"] for cc, bd in work)
-
-    def vectorised():  # one numpy call per chunk for all its (sub-)microbatches
-        total = 0.0
-        for c, cc in costs.items():
-            ks = [min(b_i, n - i) for n in counts for i in range(0, n, b_i)] if modality[c] == "vision" else counts
-            cols = {k: [v] * len(ks) for k, v in binding(0).items()}
-            cols[sym[("pixel_values", 0)]] = ks
-            total += float(cc.many(cols)["flops_fwd"].sum())
-        return total
-
-    t_call, total = timed(per_call)
-    t_raw, total_raw = timed(no_memo)
-    t_vec, total_vec = timed(vectorised)
-    assert abs(total_raw - total) <= 1e-9 * total and abs(total_vec - total) <= 1e-6 * total
-    res = {"capture_s": t1 - t0, "partition_s": t2 - t1, "annotate_s": t3 - t2, "compile_s": t4 - t3,
-           "n_chunks": len(costs), "evaluations": len(work), "cost_batch_s": t_call, "cost_batch_no_memo_s": t_raw,
-           "cost_batch_vectorised_s": t_vec, "images": sum(counts), "flops_fwd": total}
-    print(f"VLM-L (ViT 22B + Qwen2 72B) on meta, P={pp_size}: {len(cap.graph.nodes)} nodes, {len(costs)} chunks "
-          f"(K_i {part.chunks_per_rank}); capture {res['capture_s']:.1f} s, symbolic annotate "
-          f"{res['annotate_s']:.2f} s, lambdify {res['compile_s']:.2f} s; no weight materialised")
-    print(f"costing one batch of {n_microbatches} microbatches (2 x 8192 tokens; {sum(counts)} images; {len(work)} "
-          f"chunk x (sub-)microbatch evaluations): {t_call * 1e3:.2f} ms (memo per shape, cold), "
-          f"{t_raw * 1e3:.2f} ms (no memo), {t_vec * 1e3:.2f} ms (vectorised); forward {total / 1e15:.1f} PFLOP")
-    return res
-
-
 @pytest.mark.skipif(not os.environ.get("DIPC_SLOW"), reason="full VLM-L capture takes ~1 min; set DIPC_SLOW=1")
 def test_vlm_l_full_bench():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from vlm_l_costing import bench_vlm_l
     res = bench_vlm_l()
     assert res["evaluations"] > 0
-
-
-if __name__ == "__main__":
-    bench_vlm_l()
