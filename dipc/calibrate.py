@@ -763,7 +763,9 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
 
           measured = s * roofline + operators * (launch_overhead | backward_overhead)
 
-      ``s`` multiplies every ``alpha`` and ``op_alpha`` of the profile (clamped to [0.5, 4]);
+      ``s`` multiplies every ``alpha`` and ``op_alpha`` of the profile (clamped to [0.5, 4], then the overheads
+      are re-fitted with ``s`` fixed); when the rooflines add up to less than 20% of the measured compute (tiny,
+      overhead-bound stages) ``s`` cannot be told apart from the overheads and stays 1;
     * ``p2p_post_overhead`` and ``p2p_post_per_byte``: least-squares line through the SEND/RECV actions'
       durations against their message bytes (the host work of posting one, packing included);
     * ``step_overhead``: mean over steps of the smallest per-rank time outside the actions (setup, end-of-step
@@ -836,10 +838,17 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
     y = np.array([r[0] for r in rows])
     x = np.array([[r[1], r[2] * (not r[3]), r[2] * r[3]] for r in rows], dtype=float)
     keep = y > 0
-    coef, *_ = np.linalg.lstsq(x[keep] / y[keep, None], np.ones(int(keep.sum())), rcond=None)
-    scale = float(np.clip(coef[0], 0.5, 4.0))
-    o_f = max(float(coef[1]), 0.0) if x[:, 1].any() else prof.launch_overhead
-    o_b = max(float(coef[2]), 0.0) if x[:, 2].any() else prof.overhead(True)
+    xs, ys = x[keep] / y[keep, None], np.ones(int(keep.sum()))
+    roofline_share = float(x[keep, 0].sum() / max(y[keep].sum(), 1e-30))
+    if roofline_share >= 0.2:
+        coef, *_ = np.linalg.lstsq(xs, ys, rcond=None)
+        scale = float(np.clip(coef[0], 0.5, 4.0))
+    else:  # overhead-bound stages only: the roofline factor cannot be told apart, keep the microbenchmarks' rates
+        scale = 1.0
+    # the overheads, with the factor fixed (clipped or not)
+    coef, *_ = np.linalg.lstsq(xs[:, 1:], ys - scale * xs[:, 0], rcond=None)
+    o_f = max(float(coef[0]), 0.0) if x[:, 1].any() else prof.launch_overhead
+    o_b = max(float(coef[1]), 0.0) if x[:, 2].any() else prof.overhead(True)
     def allreduces(p: DeviceProfile) -> float:  # what dipc.simulate adds for the end-of-step all-reduces
         return (p.allreduce_time(4, compiled.pp_size)
                 + sum(p.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
@@ -874,7 +883,8 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         p2p_post_overhead=post_s,
         p2p_post_per_byte=post_b,
         step_overhead=step_s,
-        meta={**prof.meta, "pipeline_fit": {"contention_scale": scale, "measured_step_s": measured,
+        meta={**prof.meta, "pipeline_fit": {"contention_scale": scale, "roofline_share": roofline_share,
+                                            "measured_step_s": measured,
                                             "simulated_step_s": simulated, "stages": len(rows),
                                             "p2p_actions": len(post), "steps": steps, "ranks": pipe.world}},
         source=prof.source + f"; alpha x{scale:.3g} and executor overheads fitted on a {pipe.world}-rank pipeline "
