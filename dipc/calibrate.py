@@ -754,7 +754,8 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
     Python, autograd recording and the autograd engine per operator, the host side of every ``isend``/``irecv`` and
     a fixed cost per step around the plan, and it computes while the other ranks compute beside it (on a CPU they
     share caches, memory bandwidth and clock boost).  This runs ``steps`` + 1 training steps of ``batch`` (the first
-    is a warm-up; gradients are set to None afterwards, parameters are not updated) and fits, from the executor's
+    is a warm-up; parameters are not updated, and gradients the caller had accumulated are put back afterwards) and
+    fits, from the executor's
     own timeline (DIP §2.6 calibration, done on the real executor):
 
     * a contention factor ``s`` and the per-operator overheads ``launch_overhead`` (forward) and
@@ -804,29 +805,36 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         raise ValueError("compile with device=... first: the overheads are fitted against that profile")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    kept = [(p, p.grad) for p in pipe.parameters()]  # the caller's accumulated gradients, given back at the end
+    for p, _ in kept:
+        p.grad = None
     samples: dict[str, list] = {}  # stage -> [measured compute seconds]
     shape: dict[str, tuple[float, int, bool]] = {}  # stage -> (roofline seconds, operators, is backward)
     post, tails, execs = [], [], []
-    for i in range(steps + 1):
-        pipe.step(batch, n_microbatches)
-        for p in pipe.parameters():
-            p.grad = None
-        if i == 0:
-            continue
-        w = pipe.last_workload
-        last = 0.0
-        for a, s, e, wait in pipe.last_timeline:
-            last = max(last, e)
-            if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
-                post.append((sum(t.nbytes for t in a.tensors), e - s))
+    try:
+        for i in range(steps + 1):
+            pipe.step(batch, n_microbatches)
+            for p in pipe.parameters():
+                p.grad = None
+            if i == 0:
                 continue
-            n_ops = w.programs["F" + a.stage[1:]].chunks[a.chunk].n_nodes
-            backward = a.kind == "B"
-            roofline = w.graph.stages[a.stage].latency - n_ops * prof.overhead(backward)
-            shape[a.stage] = (roofline, n_ops, backward)
-            samples.setdefault(a.stage, []).append(e - s - wait)
-        tails.append(pipe.last_timing["execute_s"] - last)  # setup before the first action + after the last one
-        execs.append(pipe.last_timing["execute_s"])
+            w = pipe.last_workload
+            last = 0.0
+            for a, s, e, wait in pipe.last_timeline:
+                last = max(last, e)
+                if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
+                    post.append((sum(t.nbytes for t in a.tensors), e - s))
+                    continue
+                n_ops = w.programs["F" + a.stage[1:]].chunks[a.chunk].n_nodes
+                backward = a.kind == "B"
+                roofline = w.graph.stages[a.stage].latency - n_ops * prof.overhead(backward)
+                shape[a.stage] = (roofline, n_ops, backward)
+                samples.setdefault(a.stage, []).append(e - s - wait)
+            tails.append(pipe.last_timing["execute_s"] - last)  # setup before the first action + after the last one
+            execs.append(pipe.last_timing["execute_s"])
+    finally:
+        for p, g in kept:
+            p.grad = g
     mine = {k: (statistics.fmean(v), *shape[k]) for k, v in samples.items()}
     gathered = [None] * pipe.world
     dist.all_gather_object(gathered, (mine, post, tails, execs), group=pipe.group)

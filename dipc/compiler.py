@@ -263,7 +263,7 @@ class CompiledPipeline:
         annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
         extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written)
-                 + dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd)}
+                 + dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd, backward=True)}
         by_mod: dict[str, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":

@@ -268,8 +268,14 @@ class DeviceProfile:
 
     def post_time(self, nbytes: float) -> float:
         """Seconds a rank is busy posting one pipeline send or receive of ``nbytes``:
-        ``p2p_post_overhead + p2p_post_per_byte * nbytes``."""
-        return self.p2p_post_overhead + self.p2p_post_per_byte * max(nbytes, 0.0)
+        ``p2p_post_overhead + p2p_post_per_byte * nbytes``.
+
+        Raises:
+            ValueError: ``nbytes`` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"post_time needs a non-negative size, got {nbytes}")
+        return self.p2p_post_overhead + self.p2p_post_per_byte * nbytes
 
     def allreduce_time(self, nbytes: float, n_ranks: int) -> float:
         """Seconds of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks on the P2P links:

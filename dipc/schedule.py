@@ -180,10 +180,10 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
     holds its buffer from then on.  Receives from one peer stay in that peer's send order.
 
     Raises:
-        ValueError: ``recv_lookahead`` is negative.
+        ValueError: ``recv_lookahead`` is not an int >= 0.
     """
-    if recv_lookahead < 0:
-        raise ValueError(f"recv_lookahead must be >= 0, got {recv_lookahead}")
+    if isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 0:
+        raise ValueError(f"recv_lookahead must be an int >= 0, got {recv_lookahead!r}")
     n_ranks = len(schedule.order)
     preds = graph.preds()
     # messages: one per cross-rank edge that carries tensors, numbered in the sender's order

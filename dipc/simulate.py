@@ -22,6 +22,7 @@ pipeline's cost estimate and schedules it, then simulates that plan.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Mapping, Sequence
 
 from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
@@ -62,6 +63,13 @@ class SimResult:
         return out
 
 
+def _check_seconds(name: str, v) -> float:
+    f = float(v)
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {v!r}")
+    return f
+
+
 def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                   activation_bytes: Mapping[str, float] | None = None,
                   static_bytes: Sequence[float] | None = None,
@@ -87,8 +95,18 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
 
     Raises:
         PlanError: the plan deadlocks (each blocked rank's action and awaited messages are named).
+        ValueError: ``post_overhead``, ``epilogue`` or ``rendezvous`` (or a value ``post_overhead`` or ``comm_time``
+            returns) is negative or not finite, naming it (and the action).
     """
-    comm_time = comm_time or (lambda tensors: 0.0)
+    for name, v in (("post_overhead", None if callable(post_overhead) else post_overhead), ("epilogue", epilogue),
+                    ("rendezvous", rendezvous)):
+        if v is not None:
+            _check_seconds(name, v)
+    comm_fn = comm_time or (lambda tensors: 0.0)
+
+    def transfer_time(tensors, a):
+        return _check_seconds(f"comm_time for {a}", comm_fn(tensors))
+
     act = activation_bytes or {}
     n = plan.n_ranks
     static = list(static_bytes) if static_bytes is not None else [0.0] * n
@@ -102,12 +120,13 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
 
     def visit(r: int, i: int, a) -> None:
         if a.kind in SENDS or a.kind in RECVS:
-            cost = post_overhead(a.tensors) if callable(post_overhead) else post_overhead
+            cost = (_check_seconds(f"post_overhead for {a}", post_overhead(a.tensors)) if callable(post_overhead)
+                    else post_overhead)
             if cost:
                 comm[r].append((clock[r], clock[r] + cost, str(a), a.kind))
                 clock[r] += cost
             if a.kind in SENDS:
-                arrive[a.msg] = (clock[r], comm_time(a.tensors))
+                arrive[a.msg] = (clock[r], transfer_time(a.tensors, a))
             else:
                 posted[a.msg] = clock[r]
         elif a.kind in COMPUTE:

@@ -232,7 +232,7 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
 
     Raises:
         PartitionError: ``pp_size`` < 1, a module has fewer blocks than ``pp_size`` (or than ``pp_size * K_i`` for a
-            given K_i), or a K_i < 1 is asked for.
+            given K_i), a K_i < 1 is asked for, or a ``node_seconds`` value is negative or not finite.
     """
     if pp_size < 1:
         raise PartitionError(f"pp_size must be >= 1, got {pp_size}")
@@ -268,7 +268,10 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
     if node_seconds is not None:
         seconds = {m: [0.0] * len(blocks[m]) for m in modalities}
         for n in nodes:
-            seconds[n.meta["dipc_modality"]][n.meta["dipc_block"]] += float(node_seconds.get(n.name, 0.0))
+            v = float(node_seconds.get(n.name, 0.0))
+            if not math.isfinite(v) or v < 0:
+                raise PartitionError(f"node_seconds[{n.name!r}] = {v}: it must be a finite number >= 0")
+            seconds[n.meta["dipc_modality"]][n.meta["dipc_block"]] += v
     for m in modalities:
         costs = seconds[m] if seconds is not None else [node_latency(c) for c in block_cost[m]]
         for pos, (lo, hi) in enumerate(balanced_cuts(costs, pp_size * K[m])):

@@ -788,8 +788,13 @@ class CompiledCost:
                                   modules=[_py_funcs(), "math"], printer=_Printer, cse=True)
         self._np_fn = None
         n = len(self.symbols)
-        get = operator.itemgetter(*self.symbols) if n else (lambda b: ())
-        self._get = get if n > 1 else (lambda b: (get(b),))
+        if n == 0:  # constant costs (every size static, e.g. a model that fixes its image count)
+            self._get = lambda b: ()
+        elif n == 1:
+            get = operator.itemgetter(self.symbols[0])
+            self._get = lambda b: (get(b),)
+        else:
+            self._get = operator.itemgetter(*self.symbols)
         self._cache: dict[tuple, dict[str, float]] = {}
         self.cache_size = 1 << 16
 

@@ -265,6 +265,8 @@ def test_executor_overheads_post_time_and_allreduce():
     assert p.overhead() == 1e-6 and p.overhead(backward=True) == 3e-6
     assert _toy().overhead(backward=True) == 1e-6  # falls back to launch_overhead
     assert p.post_time(1000) == pytest.approx(2e-5 + 1e-6)
+    with pytest.raises(ValueError, match="non-negative size, got -5"):
+        p.post_time(-5)
     # ring all-reduce: 2 (n - 1) latencies + 2 (n - 1) / n of the bytes at alpha_p2p / bandwidth
     assert p.allreduce_time(1e6, 4) == pytest.approx(6 * 5e-6 + 1.5 * 1.2 * 1e6 / 1e10)
     assert p.allreduce_time(1e6, 1) == 0.0

@@ -62,3 +62,7 @@ def test_blocks_balanced_by_device_seconds():
             seconds[n.name] = 1e-6 * (30 if n.meta["dipc_modality"] == "text" and n.meta["dipc_block"] == 0 else 1)
     heavy = partition(cap.graph, 2, chunks_per_rank={"vision": 1, "text": 1}, node_seconds=seconds)
     assert [c.blocks for c in heavy.chunks_of("text")] == [(0, 1), (1, 6)]
+    name = next(iter(seconds))
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(PartitionError, match=f"node_seconds\\['{name}'\\] = {bad}: it must be a finite"):
+            partition(cap.graph, 2, node_seconds={**seconds, name: bad})

@@ -151,6 +151,18 @@ def test_posting_cost_rendezvous_and_epilogue():
     assert simulate_plan(plan, lat, rendezvous=2.0, **kw).iteration_time == pytest.approx(6.2)
 
 
+@pytest.mark.parametrize("kw,name", [
+    ({"post_overhead": -0.5}, "post_overhead"), ({"post_overhead": float("nan")}, "post_overhead"),
+    ({"epilogue": -100.0}, "epilogue"), ({"rendezvous": -5.0}, "rendezvous"),
+    ({"post_overhead": lambda ts: -10.0}, r"post_overhead for \S+"),
+    ({"comm_time": lambda ts: float("inf")}, r"comm_time for 0SEND_F0->1"),
+])
+def test_negative_or_non_finite_costs_are_refused(kw, name):
+    g, plan = _two_rank_one_mb_plan()
+    with pytest.raises(ValueError, match=name + r" must be a finite number of seconds >= 0"):
+        simulate_plan(plan, {k: 1.0 for k in g.stages}, **kw)
+
+
 def test_receive_lookahead_posts_one_compute_action_early():
     g, late = _two_rank_one_mb_plan(lookahead=0)
     assert [a.kind for a in late.ranks[0]] == ["F", "SEND_F", "RECV_B", "B"]
@@ -159,8 +171,9 @@ def test_receive_lookahead_posts_one_compute_action_early():
     import dipc
     for p in (late, early):
         dipc.validate(p)
-    with pytest.raises(ValueError, match="recv_lookahead must be >= 0, got -1"):
-        _two_rank_one_mb_plan(lookahead=-1)
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match=f"recv_lookahead must be an int >= 0, got {bad!r}"):
+            _two_rank_one_mb_plan(lookahead=bad)
     # on a longer 1F1B plan every lookahead still validates and simulates to the same iteration time without costs
     g = chain_graph(3, 5, 1.0, 2.0)
     times = set()
@@ -199,7 +212,11 @@ def _fit_worker(rank, world):
     compiled = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), world, device=base,
                             sub_microbatch_size={"vision": 2})
     pipe = compiled.runtime(n_microbatches=2)
+    held = pipe.parameters()[0]
+    held.grad = torch.full_like(held, 0.5)  # a gradient the caller accumulated: the fit must give it back
     p = fit_pipeline_overheads(pipe, pc.vlm_batch([2, 1, 0, 3], 24, 1), steps=2)
+    assert torch.equal(held.grad, torch.full_like(held, 0.5))
+    assert all(q.grad is None for q in pipe.parameters()[1:])
     # the fitted profile drives the simulator: posting and the epilogue now cost time
     torch.manual_seed(0)
     refit = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), world, device=p, sub_microbatch_size={"vision": 2})

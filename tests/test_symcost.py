@@ -454,3 +454,13 @@ def test_vlm_l_full_bench():
     from vlm_l_costing import bench_vlm_l
     res = bench_vlm_l()
     assert res["evaluations"] > 0
+
+
+def test_compiled_cost_with_no_size_symbol():
+    """A chunk whose sizes are all static (e.g. HF LLaVA's fixed image count) compiles to constant costs."""
+    from dipc.passes.symcost import CompiledCost
+    x = sympy.Symbol("s0", positive=True, integer=True)
+    const = CompiledCost({"flops_fwd": sympy.Integer(12), "bytes": sympy.Integer(3)})
+    assert const({}) == {"flops_fwd": 12.0, "bytes": 3.0} and const({x: 5}) == {"flops_fwd": 12.0, "bytes": 3.0}
+    one = CompiledCost({"flops_fwd": 2 * x})
+    assert one({x: 4}) == {"flops_fwd": 8.0}
