@@ -368,7 +368,7 @@ class Executor:
         self.sends.append((self.tr.isend(buf, a.peer_rank, a.msg), buf))
 
     def _recv(self, a):
-        layout, total = _layout(a.tensors)
+        _, total = _layout(a.tensors)
         buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.recv[a.msg] = (buf, self.tr.irecv(buf, a.peer_rank, a.msg), a)
         self.inbox[a.stage].append(a.msg)

@@ -35,7 +35,7 @@ class SimResult:
     """Simulated step.
 
     Attributes:
-        iteration_time: seconds from the first action to the last one's end.
+        iteration_time: seconds from the first action to the last one's end, plus ``epilogue``.
         busy: per rank, ``(start, end, token, kind)`` of each compute action, in seconds.
         comm: per rank, ``(start, end, token, kind)`` of each SEND/RECV posting (empty without ``post_overhead``).
         bubble_ratio: idle share of all ranks over the iteration: ``1 - busy time / (P * iteration_time)``.
