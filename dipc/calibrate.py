@@ -53,7 +53,7 @@ import torch
 
 from .device import COMPUTE_FAMILIES, DeviceProfile, user_profile_dir
 
-__all__ = ["Bench", "Calibration", "calibrate", "main", "accuracy_table", "fit_alpha", "fit_executor_overhead",
+__all__ = ["Bench", "Calibration", "calibrate", "main", "accuracy_table", "fit_alpha",
            "fit_pipeline_overheads"]
 
 aten = torch.ops.aten
@@ -695,56 +695,6 @@ def main(argv: Sequence[str] | None = None) -> DeviceProfile:
 if __name__ == "__main__":
     main()
     sys.exit(0)
-
-
-def fit_executor_overhead(compiled, batch, n_microbatches: int, *, reps: int = 3) -> DeviceProfile:
-    """Calibrate the per-op overhead of dipc's executor on a compiled pipeline (in this process, no group).
-
-    Microbenchmarks time aten ops called directly; inside a chunk's GraphModule each op also pays fx's generated
-    Python, autograd recording and (in backward) the autograd engine, which on a CPU with tiny ops costs several
-    times the bare launch overhead.  This runs ``batch`` through every rank's stages with
-    :func:`dipc.runtime.run_local`'s executor, compares each stage's measured time with the profile's prediction,
-    and returns a copy of ``compiled.device`` whose ``launch_overhead`` is the median extra time per op
-    (``(measured - predicted roofline) / ops``), the graph-level correction the simulator needs (DIP §2.6
-    calibration, done on the real chunks).
-
-    Raises:
-        ValueError: ``compiled`` has no device profile.
-    """
-    import dataclasses as _dc
-    import statistics as _st
-
-    from .plan import validate
-    from .runtime import Executor, _LocalTransport, _modules_of, build_workload, make_plan
-
-    prof = compiled.device
-    if prof is None:
-        raise ValueError("compile with device=... first: the overhead is fitted against that profile")
-    per_op = []
-    for rep in range(reps + 1):
-        w = build_workload(compiled, compiled.batch_spec.split(batch, n_microbatches))
-        plan = make_plan(compiled, w, 0, check=False)
-        order = validate(plan)
-        tr = _LocalTransport()
-        ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]
-        for r, i in order:
-            ex[r].do(plan.ranks[r][i])
-        compiled.model.zero_grad(set_to_none=True)
-        if rep == 0:
-            continue  # warm-up
-        for e in ex:
-            actions = {str(a) + a.kind: a for a in plan.ranks[e.rank] if a.kind in ("F", "B")}
-            for kind, tok, s, t in e.events:
-                a = actions.get(tok + kind)
-                if a is None:
-                    continue
-                prog = w.programs["F" + a.stage[1:]]
-                n_ops = prog.chunks[a.chunk].n_nodes
-                pred = w.graph.stages[a.stage].latency - n_ops * prof.launch_overhead
-                if n_ops:
-                    per_op.append(max((t - s) - pred, 0.0) / n_ops)
-    return _dc.replace(prof, launch_overhead=_st.median(per_op),
-                       source=prof.source + f"; launch_overhead fitted on dipc's executor ({len(per_op)} stages)")
 
 
 def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int | None = None) -> DeviceProfile:

@@ -297,8 +297,9 @@ class Executor:
     """Runs one rank's actions of a plan.
 
     The chunk modules it runs are taken from the step's programs; forward outputs and the detached inputs that
-    receive gradients are kept per stage until its backward.  Events ``(kind, stage, start, end)`` in seconds since
-    the step began are recorded in :attr:`events` for traces.
+    receive gradients are kept per stage until its backward.  Every action's ``(action, start, end, wait)`` in seconds
+    since the step began (``wait``: the part of a compute action spent waiting for its messages) is recorded in
+    :attr:`timeline` for traces and calibration.
     """
 
     def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict,
@@ -321,7 +322,6 @@ class Executor:
         self.received: dict[str, dict[str, dict[str, torch.Tensor]]] = defaultdict(dict)  # stage -> peer -> tensors
         self.sends: list = []
         self.losses: dict[int, torch.Tensor] = {}
-        self.events: list[tuple[str, str, float, float]] = []
         self.timeline: list[tuple] = []  # (action, start, end, seconds of it spent waiting for messages)
         self.wait_s: dict[str, float] = {}
         self.t0 = time.perf_counter()
@@ -346,9 +346,8 @@ class Executor:
                 os.sched_yield()
         else:
             raise PlanError(f"unknown action {a}")
-        end = time.perf_counter() - self.t0
-        self.events.append((a.kind, str(a), t - self.t0, end))
-        self.timeline.append((a, t - self.t0, end, self.wait_s.get(a.stage, 0.0) if a.kind in ("F", "B") else 0.0))
+        self.timeline.append((a, t - self.t0, time.perf_counter() - self.t0,
+                              self.wait_s.get(a.stage, 0.0) if a.kind in ("F", "B") else 0.0))
 
     # -- communication
     def _send(self, a):
@@ -568,7 +567,6 @@ class PipelineRuntime:
                        else torch.device("cpu"))
         self.step_index = 0
         self.last_plan: Plan | None = None
-        self.last_events: list = []
         self.last_timeline: list = []
         self.last_timing: dict = {}
         self._setup_params()
@@ -644,10 +642,9 @@ class PipelineRuntime:
         call it on every rank).  Times are seconds from each rank's start of execution (after plan delivery)."""
         mod_of = {c.index: c.modality for c in self.compiled.partition.chunks}
         mine = []
-        for kind, tok, s, e in self.last_events:
-            chunk = int(tok.split(kind)[0]) if tok.split(kind)[0].isdigit() else -1
-            mine.append({"rank": self.rank, "start": s, "end": e, "name": tok, "kind": kind,
-                         "modality": mod_of.get(chunk, "")})
+        for a, s, e, _ in self.last_timeline:
+            mine.append({"rank": self.rank, "start": s, "end": e, "name": str(a), "kind": a.kind,
+                         "modality": mod_of.get(a.chunk, "")})
         parts = [None] * self.world
         dist.all_gather_object(parts, mine, group=self.group)
         return [e for p in parts for e in p]
@@ -697,7 +694,6 @@ class PipelineRuntime:
                   for pid, _ in self._tied}
         ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
                       yield_after_post=dist.get_backend(self.group) == "gloo")
-        t_ex = ex.t0
         ex.run()
         ex.finish()
         zero_unreached_grads(self.compiled, w, {self.rank})
@@ -717,11 +713,9 @@ class PipelineRuntime:
         work.wait(self.transport.timeout)
         t2 = time.perf_counter()
         self.last_plan = plan
-        self.last_events = ex.events
         self.last_timeline = ex.timeline
         self.last_workload = w
-        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0,
-                            "actions_start_s": t_ex - t1}
+        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
         self.last_microbatches = mbs
         self.step_index += 1
         return loss

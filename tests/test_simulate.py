@@ -216,6 +216,13 @@ def _fit_worker(rank, world):
     held.grad = torch.full_like(held, 0.5)  # a gradient the caller accumulated: the fit must give it back
     p = fit_pipeline_overheads(pipe, pc.vlm_batch([2, 1, 0, 3], 24, 1), steps=2)
     assert torch.equal(held.grad, torch.full_like(held, 0.5))
+    # the measured trace of the last step: every rank's actions of the plan, in plan order, with modalities
+    ev = pipe.trace_events()
+    for r in range(world):
+        mine = [e for e in ev if e["rank"] == r]
+        assert [e["name"] for e in mine] == [str(a) for a in pipe.last_plan.ranks[r]]
+        assert all(0 <= e["start"] <= e["end"] for e in mine)
+        assert {e["modality"] for e in mine} == {"vision", "text"}
     assert all(q.grad is None for q in pipe.parameters()[1:])
     # the fitted profile drives the simulator: posting and the epilogue now cost time
     torch.manual_seed(0)
