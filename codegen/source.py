@@ -8,11 +8,13 @@ from __future__ import annotations
 __all__ = ["chunk_source"]
 
 
-def chunk_source(info, cm) -> str:
+def chunk_source(info, cm, names=()) -> str:
     """Source text for chunk ``info`` (a ``dipc.passes.partition.ChunkInfo``) and its ``ChunkModule`` ``cm``
-    (``None`` when the chunk has no node in this capture)."""
+    (``None`` when the chunk has no node in this capture); ``names``: the module paths of its blocks."""
     head = [f'"""Chunk {info.index}: rank {info.rank}, modality {info.modality!r}, segment {info.segment}, '
             f'blocks {info.blocks[0]}..{info.blocks[1] - 1} (position {info.position} in its module).', ""]
+    if names:
+        head.insert(1, "Module calls: " + ", ".join(names))
     if cm is None:
         head += ["This chunk has no compute node in this capture.", '"""', ""]
         return "\n".join(head)

@@ -207,10 +207,19 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
             for a in n.all_input_nodes:
                 if (a.op == "placeholder" or a.meta.get("dipc_chunk") != c) and a not in external:
                     external.append(a)
-        attrs = []
+        attrs, submods = [], []
         for a in external:
             if a.op == "placeholder" and a.name in state_targets:
                 attrs.append(a)
+                continue
+            if a.op == "get_attr":  # the subgraph of a higher-order op (no_grad region, cond, flex attention, ...)
+                sub = getattr(graph.owning_module, a.target, None) if graph.owning_module is not None else None
+                if not isinstance(sub, torch.nn.Module):
+                    users = ", ".join(f"{u.name} ({u.target})" for u in a.users)
+                    raise CodegenError(f"chunk {c} reads graph attribute {a.target!r} ({type(sub).__name__}) used by "
+                                       f"{users} in module {_module_of(nodes, a)}; dipc can place only submodules "
+                                       "of higher-order ops")
+                submods.append((a, sub))
                 continue
             if a.op == "placeholder":
                 ci = ChunkInput(name=input_keys[a.name], kind="batch", key=input_keys[a.name])
@@ -234,6 +243,9 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
                 state_names.append(fqn)
             env[a] = g.get_attr(fqn)
             env[a].meta.update({k: v for k, v in a.meta.items() if k in ("val", "tensor_meta")})
+        for a, sub in submods:
+            env[a] = g.get_attr(a.target)
+            env[a].meta.update(a.meta)
         for n in nodes:
             env[n] = g.node_copy(n, lambda a: env[a])
         outputs: dict[str, torch.fx.Node] = {}
@@ -254,14 +266,26 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
         g.lint()
         gm = None
         if build is None or c in build:
-            gm = _make_module(g, state_names, state)
+            gm = _make_module(g, state_names, state, {a.target: sub for a, sub in submods})
         out[c] = ChunkModule(chunk=c, gm=gm, inputs=inputs, outputs=list(outputs), loss=loss, output_meta=meta,
                              state_names=state_names, n_nodes=len(nodes))
     return out
 
 
-def _make_module(g: torch.fx.Graph, names: list[str], state: Mapping[str, torch.Tensor]) -> torch.fx.GraphModule:
+def _module_of(nodes, attr: torch.fx.Node) -> str:
+    """The module path of the first node reading ``attr`` (for error messages)."""
+    for u in attr.users:
+        stack = u.meta.get("nn_module_stack") or {}
+        if stack:
+            return repr(list(stack.values())[-1][0] or type(attr.graph.owning_module).__name__)
+    return "(unknown)"
+
+
+def _make_module(g: torch.fx.Graph, names: list[str], state: Mapping[str, torch.Tensor],
+                 submodules: Mapping[str, torch.nn.Module] = {}) -> torch.fx.GraphModule:
     root = torch.nn.Module()
+    for target, sub in submodules.items():
+        root.add_module(target, sub)
     for fqn in names:
         *prefix, field = fqn.split(".")
         mod = root

@@ -1,8 +1,11 @@
 """Batches: validation, microbatches, sub-microbatches and loss weights.
 
-* A batch is a dict of tensors with the keys of the example batch.  Per-sample keys have the text batch as dim 0
+* A batch is a dict with the keys of the example batch.  Per-sample keys have the text batch as dim 0
   (``input_ids [B, S]``, ``labels [B, S]``); per-instance keys have a modality's instances as dim 0
-  (``pixel_values [N, 3, H, W]``).  Which instances belong to which sample is read from the placeholder tokens:
+  (``pixel_values [N, 3, H, W]``); *shared* keys are given whole to every microbatch (a tensor without a batch
+  dimension such as Flux's ``img_ids [S, 3]``, a 0-dim tensor, a Python value such as a dict of flags).  Python
+  values are allowed: a list or tuple of length B is per-sample (split with the samples), anything else is shared;
+  the model's trace is specialised to Python values, so each distinct value gets its own capture.  Which instances belong to which sample is read from the placeholder tokens:
   sample b owns ``count(input_ids[b] == token_id) / tokens_per_instance`` consecutive instances.
 * Microbatches split the samples into near-equal contiguous groups and keep each sample's instances with it
   (image and text tensors are never split independently along dim 0).
@@ -68,14 +71,15 @@ class LossReduction:
     shift: bool = True
     weight_fn: Callable[[Mapping[str, torch.Tensor]], float] | None = None
 
-    def numerator(self, mb: Mapping[str, torch.Tensor]) -> float:
+    def numerator(self, mb: Mapping[str, torch.Tensor], n_samples: int) -> float:
+        """This reduction's count for microbatch ``mb`` of ``n_samples`` samples (labelled tokens, samples, ...)."""
         if self.kind == "token_mean":
             lab = mb[self.labels_key]
             if self.shift:
                 lab = lab[..., 1:]
             return float((lab != self.ignore_index).sum())
         if self.kind == "sample_mean":
-            return float(next(iter(mb.values())).shape[0])
+            return float(n_samples)
         if self.kind == "custom" and self.weight_fn is not None:
             return float(self.weight_fn(mb))
         raise BatchError(f"unknown loss reduction {self.kind!r}")
@@ -116,7 +120,7 @@ class Microbatch:
     def meta(self) -> dict:
         return {"index": self.index, "instances": dict(self.instances),
                 "subs": {m: [list(r) for r in v] for m, v in self.subs.items()}, "weight": self.weight,
-                "shapes": {k: list(v.shape) for k, v in self.data.items()}}
+                "shapes": {k: list(v.shape) for k, v in self.data.items() if isinstance(v, torch.Tensor)}}
 
 
 @dataclasses.dataclass
@@ -124,12 +128,15 @@ class BatchSpec:
     """What a batch must look like, taken from the example batch.
 
     Attributes:
-        keys: key -> (ndim, dtype) of the example batch.
+        keys: tensor key -> (ndim, dtype) of the example batch.
+        shared: tensor keys given whole to every microbatch (no batch dim).
+        values: Python-valued key -> "sample" (a list/tuple with one entry per sample) or "shared".
+        sample_key: the per-sample tensor key whose dim 0 is the batch size B.
         trailing: instance key -> the example's sizes after dim 0; later batches must keep them (an image size
             the model cannot take would otherwise fail inside one rank's chunk), except dims in
             ``variable_trailing`` (declared dynamic by the user).
-        same_shape: groups of per-sample keys with equal shapes in the example (``input_ids`` and ``labels``);
-            they must stay equal.
+        same_shape: groups of ``(key, dim)`` that are one size in the model's trace (``input_ids`` and ``labels``
+            along the sequence: torch.export ties dims the forward combines); they must stay equal.
         value_ranges: (key, low, high, ignore, what): integer values of ``key`` must lie in ``[low, high)`` (or equal
             ``ignore``), e.g. token ids in the embedding's vocabulary, class labels of a cross-entropy.
         instances: instance modalities.
@@ -139,25 +146,49 @@ class BatchSpec:
     keys: dict[str, tuple[int, torch.dtype]]
     instances: list[Instances]
     loss: LossReduction
+    shared: set[str] = dataclasses.field(default_factory=set)
+    values: dict[str, str] = dataclasses.field(default_factory=dict)
+    sample_key: str | None = None
     trailing: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    same_shape: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
+    same_shape: list[tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=list)
     variable_trailing: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     value_ranges: list[tuple[str, int, int, int | None, str]] = dataclasses.field(default_factory=list)
 
     def normalize(self, batch: Mapping[str, torch.Tensor]) -> dict:
-        """A shallow copy where an instance key given as ``None`` becomes a 0-instance tensor, as
-        Hugging Face batches without images carry ``pixel_values=None``."""
+        """A shallow copy where an instance key given as ``None`` (or left out, for instances the model takes as
+        ``None``: ``drop_when_empty``) becomes a 0-instance tensor, as Hugging Face batches without images carry
+        ``pixel_values=None`` or no pixel key at all."""
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
         out = dict(batch)
+        droppable = {k for i in self.instances if i.drop_when_empty for k in i.keys}
         for k in self.instance_keys:
-            if k in out and out[k] is None:
+            if (k in out and out[k] is None) or (k not in out and k in droppable):
                 out[k] = torch.empty((0,) + tuple(self.trailing[k]), dtype=self.keys[k][1])
+        return out
+
+    def batch_size(self, batch: Mapping[str, torch.Tensor]) -> int:
+        """B, the number of samples of a valid ``batch`` (raises :class:`BatchError` like :meth:`validate`)."""
+        return self.validate(batch)[0]
+
+    def eager_view(self, batch: Mapping[str, torch.Tensor]) -> dict:
+        """``batch`` as the unsplit model takes it: instance keys of a modality with no instance are dropped where
+        the model takes ``None`` for them (``drop_when_empty``, e.g. Hugging Face LLaVA's ``pixel_values``)."""
+        out = self.normalize(batch)
+        for inst in self.instances:
+            if inst.drop_when_empty and all(out[k].shape[0] == 0 for k in inst.keys if k in out):
+                for k in inst.keys:
+                    out.pop(k, None)
         return out
 
     @property
     def instance_keys(self) -> set[str]:
         return {k for i in self.instances for k in i.keys}
+
+    @property
+    def per_sample_keys(self) -> list[str]:
+        """Tensor keys whose dim 0 is the sample."""
+        return [k for k in self.keys if k not in self.instance_keys and k not in self.shared]
 
     def validate(self, batch: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
         """Check ``batch`` against the spec.
@@ -171,12 +202,13 @@ class BatchSpec:
         """
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
-        missing = [k for k in self.keys if k not in batch]
+        expected = list(self.keys) + list(self.values)
+        missing = [k for k in expected if k not in batch]
         if missing:
-            raise BatchError(f"batch is missing key(s) {missing} of the example batch (expected {list(self.keys)})")
-        extra = [k for k in batch if k not in self.keys]
+            raise BatchError(f"batch is missing key(s) {missing} of the example batch (expected {expected})")
+        extra = [k for k in batch if k not in expected]
         if extra:
-            raise BatchError(f"batch has key(s) {extra} that the example batch did not have ({list(self.keys)})")
+            raise BatchError(f"batch has key(s) {extra} that the example batch did not have ({expected})")
         for k, (ndim, dtype) in self.keys.items():
             v = batch[k]
             if not isinstance(v, torch.Tensor):
@@ -185,11 +217,12 @@ class BatchSpec:
                 raise BatchError(f"batch[{k!r}] has {v.dim()} dims (shape {list(v.shape)}), the example had {ndim}")
             if v.dtype != dtype:
                 raise BatchError(f"batch[{k!r}] has dtype {v.dtype}, the example had {dtype}")
-        per_sample = [k for k in self.keys if k not in self.instance_keys]
+        per_sample = self.per_sample_keys
         for group in self.same_shape:
-            shapes = {k: list(batch[k].shape) for k in group}
-            if len({tuple(v) for v in shapes.values()}) > 1:
-                raise BatchError(f"keys {list(group)} had one shape in the example batch but differ here: {shapes}")
+            sizes = {f"{k}.shape[{d}]": batch[k].shape[d] for k, d in group}
+            if len(set(sizes.values())) > 1:
+                raise BatchError(f"keys {list(dict.fromkeys(k for k, _ in group))} must agree in size where the "
+                                 f"model's trace ties them, but differ here: {sizes}")
         for k, trail in self.trailing.items():
             got = tuple(batch[k].shape[1:])
             bad = [d + 1 for d, (a, b) in enumerate(zip(got, trail)) if a != b and (k, d + 1) not in self.variable_trailing]
@@ -206,9 +239,14 @@ class BatchSpec:
                 raise BatchError(f"batch[{k!r}] holds values in [{int(valid.min())}, {int(valid.max())}] but {what} "
                                  f"takes [{lo}, {hi - 1}]" + (f" (or {ignore})" if ignore is not None else ""))
         sizes = {k: batch[k].shape[0] for k in per_sample}
+        sizes.update({k: len(batch[k]) for k, kind in self.values.items() if kind == "sample"})
+        for k, kind in self.values.items():
+            if kind == "sample" and not isinstance(batch[k], (list, tuple)):
+                raise BatchError(f"batch[{k!r}] is a {type(batch[k]).__name__}; the example had a list with one entry "
+                                 "per sample")
         if len(set(sizes.values())) > 1:
             raise BatchError(f"per-sample keys disagree on the batch size: {sizes}")
-        B = next(iter(sizes.values())) if sizes else 0
+        B = next(iter(sizes.values())) if sizes else 1
         if B == 0:
             raise BatchError("batch has no sample (batch size 0)")
         counts = {}
@@ -251,7 +289,9 @@ class BatchSpec:
         for i, (s, n) in enumerate(zip(starts, sizes)):
             data = {}
             for k, v in batch.items():
-                if k not in self.instance_keys:
+                if k in self.shared or self.values.get(k) == "shared":
+                    data[k] = v
+                elif k not in self.instance_keys:
                     data[k] = v[s:s + n]
             ninst, subs = {}, {}
             for inst in self.instances:
@@ -268,7 +308,7 @@ class BatchSpec:
                     o += sz
                 subs[inst.modality] = ranges
             mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0))
-        nums = [self.loss.numerator(mb.data) for mb in mbs]
+        nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
         if self.loss.kind == "token_mean":
             empty = [mb.index for mb, x in zip(mbs, nums) if x == 0]
@@ -282,27 +322,60 @@ class BatchSpec:
         return mbs
 
 
+#: per-sample keys that Hugging Face processors align token by token with ``input_ids`` (their dim 1 must stay equal)
+TOKEN_ALIGNED = {"labels", "attention_mask", "token_type_ids", "mm_token_type_ids", "position_ids",
+                 "cross_attention_mask", "image_token_mask"}
+
+
 def batch_spec_from_example(example: Mapping[str, torch.Tensor], instances: Sequence[Instances],
-                            loss: LossReduction, variable_trailing=(), value_ranges=()) -> BatchSpec:
+                            loss: LossReduction, variable_trailing=(), value_ranges=(),
+                            shared: Sequence[str] = (), tied: Sequence[Sequence[tuple[str, int]]] = ()) -> BatchSpec:
     """The :class:`BatchSpec` of an example batch.
 
+    Args:
+        shared: keys given whole to every microbatch (tensors without a batch dim; 0-dim tensors and Python values
+            that are not per-sample lists are shared without being named).
+        tied: groups of ``(key, dim)`` the trace gives one size (checked on every batch).
+
     Raises:
-        BatchError: an instance key is missing from the example, or per-sample keys disagree on the batch size
-            (e.g. images given without declaring them as instances).
+        BatchError: an instance key is missing from the example, a shared key is not in it, or tensor keys disagree
+            on dim 0 (e.g. images given without declaring them as instances, or a table without a batch dim not
+            declared shared).
     """
     inst_keys = {k for i in instances for k in i.keys}
     for k in inst_keys:
         if example.get(k) is None:
             raise BatchError(f"the example batch must hold at least one instance in {k!r}")
-    per_sample = [k for k in example if k not in inst_keys]
-    sizes = {k: example[k].shape[0] for k in per_sample if example[k].dim()}
-    if len(set(sizes.values())) > 1:
-        raise BatchError(f"the example batch's per-sample keys disagree on dim 0: {sizes}; keys whose dim 0 counts "
-                         "images (or other instances) must be declared with instances=[dipc.Instances(...)]")
-    groups: dict[tuple, list[str]] = {}
-    for k in per_sample:
-        groups.setdefault(tuple(example[k].shape), []).append(k)
-    return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in example.items()}, instances=list(instances), loss=loss,
+    unknown = [k for k in shared if k not in example]
+    if unknown:
+        raise BatchError(f"shared key(s) {unknown} are not in the example batch ({list(example)})")
+    tensors = {k: v for k, v in example.items() if isinstance(v, torch.Tensor)}
+    shared_t = {k for k in shared if k in tensors} | {k for k, v in tensors.items() if v.dim() == 0}
+    per_sample = [k for k in tensors if k not in inst_keys and k not in shared_t]
+    token_keys = [i.token_key for i in instances if i.token_key in per_sample]
+    sample_key = token_keys[0] if token_keys else (per_sample[0] if per_sample else None)
+    B = tensors[sample_key].shape[0] if sample_key else None
+    sizes = {k: tensors[k].shape[0] for k in per_sample}
+    if B is not None and any(v != B for v in sizes.values()):
+        raise BatchError(f"the example batch's per-sample keys disagree on dim 0: {sizes} (batch size {B} from "
+                         f"{sample_key!r}); keys whose dim 0 counts images (or other instances) must be declared with "
+                         "instances=[dipc.Instances(...)], and tensors without a batch dim with shared_keys=[...]")
+    # per-token keys of the Hugging Face processors' conventions stay aligned with the token key (the trace does
+    # not always record the model's requirement, e.g. cross_entropy's N == N)
+    if sample_key is not None and example[sample_key].dim() >= 2:
+        S = example[sample_key].shape[1]
+        aligned = [(k, d) for k in per_sample if k != sample_key and (k in TOKEN_ALIGNED or k == loss.labels_key)
+                   and tensors[k].dim() >= 2 and tensors[k].shape[1] == S for d in (1,)]
+        if aligned:
+            tied = list(tied) + [[(sample_key, 1)] + aligned]
+    values = {}
+    for k, v in example.items():
+        if k in tensors:
+            continue
+        values[k] = "sample" if isinstance(v, (list, tuple)) and B is not None and len(v) == B and \
+            k not in shared else "shared"
+    return BatchSpec(keys={k: (v.dim(), v.dtype) for k, v in tensors.items()}, instances=list(instances), loss=loss,
                      trailing={k: tuple(example[k].shape[1:]) for k in inst_keys},
-                     same_shape=[tuple(g) for g in groups.values() if len(g) > 1],
-                     variable_trailing=set(variable_trailing), value_ranges=list(value_ranges))
+                     same_shape=[tuple(g) for g in tied if len({k for k, _ in g}) > 1],
+                     variable_trailing=set(variable_trailing), value_ranges=list(value_ranges),
+                     shared=shared_t, values=values, sample_key=sample_key)

@@ -10,6 +10,7 @@ was not traced for.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Mapping
@@ -40,6 +41,13 @@ class Capture:
             rule, or by the user): a batch with other values there needs another capture, never this graph.
         symbols: placeholder name -> list per dim of the size (an ``int`` or a ``torch.SymInt``).
         signature: the values of the ``specialized`` dims for the traced batch (``None`` where a key was absent).
+        keys: the batch keys the trace was made with: a batch with another key set (e.g. ``pixel_values`` absent
+            from a text-only microbatch) needs another capture, whatever its dims.
+        functionalized: True when the exported graph held in-place ops and was made functional
+            (``ExportedProgram.run_decompositions({})``), so no pass can lose a write into a view.
+        value_inputs: placeholder name -> the Python value (a leaf of a non-tensor batch value) it was traced with;
+            these placeholders have no users (the trace is specialised to the value).
+        values: the batch's Python values (:func:`python_values`): a batch with other values needs another trace.
     """
 
     graph_module: torch.fx.GraphModule
@@ -49,6 +57,16 @@ class Capture:
     specialized: list[tuple[str, int]]
     signature: tuple
     constants: dict[str, Any]
+    keys: frozenset = frozenset()
+    functionalized: bool = False
+    value_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    values: tuple = ()
+
+    def fits(self, data: Mapping[str, Any]) -> bool:
+        """True when ``data`` (a batch, microbatch or sub-microbatch) has this trace's keys and, in every dim
+        that is static in the graph, this trace's value."""
+        return (frozenset(data) == self.keys and signature_of(data, self.specialized) == self.signature
+                and python_values(data) == self.values)
 
     @property
     def graph(self) -> torch.fx.Graph:
@@ -107,10 +125,13 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     Raises:
         CaptureError: a batch value is not a tensor, the loss is not found, or the forward mutates buffers.
     """
+    import torch.utils._pytree as pytree
+
     for k, v in batch.items():
-        if not isinstance(v, torch.Tensor):
-            raise CaptureError(f"batch value {k!r} is a {type(v).__name__}; dipc batches hold tensors only")
-    dyn = default_dynamic_dims(batch)
+        if not isinstance(v, torch.Tensor) and any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(v)):
+            raise CaptureError(f"batch value {k!r} is a {type(v).__name__} holding tensors; give each tensor its own "
+                               "batch key (dipc splits and routes top-level tensors)")
+    dyn = default_dynamic_dims({k: v for k, v in batch.items() if isinstance(v, torch.Tensor)})
     for k, dims in (dynamic or {}).items():
         if k not in dyn:
             continue
@@ -120,7 +141,10 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     # torch.export always specializes sizes 0 and 1: ask for them static (no warning) and record them below
     tiny = {(k, d) for k, dims in dyn.items() for d in dims if batch[k].shape[d] <= 1}
     export_dyn = {k: {d: s for d, s in dims.items() if (k, d) not in tiny} for k, dims in dyn.items()}
-    with warnings.catch_warnings():
+    for k, v in batch.items():  # Python values (lists, flags) are constants of the trace
+        if not isinstance(v, torch.Tensor):
+            export_dyn[k] = pytree.tree_map(lambda _: None, v)
+    with warnings.catch_warnings(), _checkpoints_traced_through():
         warnings.simplefilter("ignore")
         try:
             ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
@@ -128,6 +152,30 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
             shapes = {k: list(v.shape) for k, v in batch.items()}
             raise CaptureError(f"torch.export could not trace {type(model).__name__}(**batch) with batch shapes "
                                f"{shapes}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    functionalized = False
+    if _mutating_ops(ep.graph) or _transform_ops(ep.graph):
+        # an in-place write into a view (``mask[:, -2:] = 0``, ``index_put_``, ``copy_`` into a slice) has no users
+        # in the training IR: make the graph functional so the write becomes a value the loss depends on.  The
+        # same re-trace runs functorch transforms (``torch.vmap`` in Hugging Face's mask functions, traced as
+        # nesting calls and ``flat_apply`` of opaque attributes) into plain batched ops.
+        try:
+            ep = ep.run_decompositions({})
+        except Exception as e:
+            raise CaptureError(f"the exported {type(model).__name__} has in-place ops {_mutating_ops(ep.graph)} and "
+                               f"could not be made functional: {type(e).__name__}: {e}") from e
+        left = _mutating_ops(ep.graph)
+        if left:
+            raise CaptureError(f"in-place op(s) {left} of {type(model).__name__} remain after functionalization; "
+                               "dipc cannot partition a graph whose writes have no users")
+        functionalized = True
+        # the re-trace may record another memory layout for a kernel's output than it has at run time (T5's
+        # attention with SDPA on CPU) and lower reshape/contiguous to views of that layout: in a functional graph
+        # nothing depends on aliasing, so every view is a reshape
+        for n in ep.graph.nodes:
+            if n.op == "call_function" and n.target in (torch.ops.aten.view.default,
+                                                        torch.ops.aten._unsafe_view.default):
+                n.target = torch.ops.aten.reshape.default
+        ep.graph_module.recompile()
     gm = ep.graph_module
     loss_name = _loss_output(ep, loss_key)
 
@@ -145,12 +193,17 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
             user_input_names.append(spec.arg.name)
         else:
             raise CaptureError(f"unsupported exported input kind {spec.kind} for {spec.arg}")
-    # user inputs are flattened in the order of the kwargs dict (all tensors)
-    keys = list(batch.keys())
-    if len(keys) != len(user_input_names):
-        raise CaptureError(f"expected {len(keys)} user inputs, export produced {len(user_input_names)}")
-    for name, key in zip(user_input_names, keys):
-        input_keys[name] = key
+    # user inputs are the kwargs' pytree leaves in dict order: a tensor per tensor key, one leaf per Python value
+    leaves = [(key, leaf) for key, v in batch.items()
+              for leaf in ([v] if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
+    if len(leaves) != len(user_input_names):
+        raise CaptureError(f"expected {len(leaves)} user inputs, export produced {len(user_input_names)}")
+    value_inputs: dict[str, Any] = {}
+    for name, (key, leaf) in zip(user_input_names, leaves):
+        if isinstance(leaf, torch.Tensor):
+            input_keys[name] = key
+        else:
+            value_inputs[name] = leaf
 
     # keep only the loss as output and drop dead code
     graph = gm.graph
@@ -159,6 +212,10 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     out.args = ((loss_node,),)
     _prune_to_loss(graph, {n for n in graph.nodes if n.op == "placeholder" and n.name in state_targets
                            and state_targets[n.name][0] == "parameter"})
+    for n in graph.nodes:
+        if n.op == "placeholder" and n.name in value_inputs and n.users:
+            raise CaptureError(f"the trace reads the Python value {n.name} = {value_inputs[n.name]!r} as an input; "
+                               "dipc needs Python batch values specialised (constants of the trace)")
     gm.recompile()
 
     # dims that were requested dynamic but came out static
@@ -174,11 +231,67 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
                 specialized.append((key, d))
     signature = tuple(batch[k].shape[d] for k, d in specialized)
     return Capture(graph_module=gm, state_targets=state_targets, input_keys=input_keys, loss_node=loss_name,
-                   specialized=specialized, signature=signature, constants=dict(ep.constants))
+                   specialized=specialized, signature=signature, constants=dict(ep.constants),
+                   keys=frozenset(batch), functionalized=functionalized, value_inputs=value_inputs,
+                   values=python_values(batch))
 
 
-_ASSERTS = {"_assert_scalar", "_assert_async", "sym_constrain_range", "sym_constrain_range_for_size",
-            "_assert_tensor_metadata"}
+def python_values(batch: Mapping[str, Any]) -> tuple:
+    """The batch's Python (non-tensor) values in a hashable form: the trace is specialised to them."""
+    return tuple(sorted((k, repr(v)) for k, v in batch.items() if not isinstance(v, torch.Tensor)))
+
+
+@contextlib.contextmanager
+def _checkpoints_traced_through():
+    """Trace reentrant activation checkpoints (``checkpoint(fn, x, use_reentrant=True)``, Hugging Face's
+    ``gradient_checkpointing_enable()``) as the plain call they stand for.  Exported as they are, their forward runs
+    under ``no_grad`` and the graph has no gradient; non-reentrant checkpoints torch.export already inlines.  The
+    math is the same; recomputation is the planner's memory strategy per stage, not the model's."""
+    import torch.utils.checkpoint as ckpt
+
+    fn = ckpt.CheckpointFunction
+    own = "apply" in fn.__dict__
+    original = fn.__dict__.get("apply")
+    def plain(function, preserve_rng_state, *args):
+        # as a reentrant checkpoint does: no input needing a gradient means an output without one (the wrapped
+        # layer's parameters then get no gradient in the eager model either)
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return function(*args)
+        with torch.no_grad():
+            return function(*args)
+
+    fn.apply = staticmethod(plain)
+    try:
+        yield
+    finally:
+        if own:
+            fn.apply = original
+        else:
+            del fn.apply
+
+
+def _transform_ops(graph: torch.fx.Graph) -> list[str]:
+    """Nodes of functorch transforms (``vmap`` nesting, ``flat_apply``) that only a re-trace turns into ops."""
+    out = []
+    for n in graph.nodes:
+        name = getattr(n.target, "__name__", str(n.target)) if n.op == "call_function" else ""
+        if "_vmap_" in name or "flat_apply" in name or "batch_dim" in name:
+            out.append(n.name)
+    return out
+
+
+def _mutating_ops(graph: torch.fx.Graph) -> list[str]:
+    """Names of the graph's ops that write into one of their arguments (``aten.fill_``, ``index_put_``, ...)."""
+    out = []
+    for n in graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            out.append(f"{n.name} ({n.target})")
+    return out
+
+
+#: ATen ops that only check (no value flows out of them)
+ASSERTS = {"_assert_scalar", "_assert_async", "sym_constrain_range", "sym_constrain_range_for_size",
+           "_assert_tensor_metadata"}
 
 
 def _ancestors(nodes) -> set:
@@ -204,7 +317,7 @@ def _prune_to_loss(graph: torch.fx.Graph, params: set) -> None:
             with_params.add(n)
     for n in graph.nodes:
         name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "") if n.op == "call_function" else ""
-        if name in _ASSERTS and name != "_assert_tensor_metadata" and n not in live:
+        if name in ASSERTS and name != "_assert_tensor_metadata" and n not in live:
             anc = _ancestors([n])
             if not ((anc - live) & with_params):
                 live |= anc

@@ -22,9 +22,11 @@ import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
 from .capture import Capture, capture, signature_of
+from .check import check_capture, check_pipeline, is_meta
 from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
-from .passes.partition import Partition, apply_partition, partition
+from .passes.checks import place_checks
+from .passes.partition import Partition, PartitionError, apply_partition, partition
 from .passes.symcost import annotate_symbolic_cost, compile_costs
 from .codegen.stage import ChunkModule, build_chunk_modules
 from .codegen.source import chunk_source
@@ -129,6 +131,15 @@ def _bindings(cap: Capture) -> list[tuple[sympy.Symbol, str, int]]:
     return out
 
 
+def _tied_dims(cap: Capture) -> list[list[tuple[str, int]]]:
+    """Groups of ``(batch key, dim)`` that are one symbol in the capture (e.g. the sequence length of
+    ``input_ids`` and ``labels``)."""
+    groups: dict = {}
+    for sym, key, dim in _bindings(cap):
+        groups.setdefault(sym, []).append((key, dim))
+    return [g for g in groups.values() if len(g) > 1]
+
+
 def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                     sub_size: Mapping[str, int] | None) -> list[Instances]:
     cfg = getattr(model, "config", None)
@@ -159,6 +170,33 @@ def _auto_loss(batch: Mapping[str, torch.Tensor]) -> LossReduction:
     return LossReduction("sample_mean")
 
 
+def _rule_hit(node, rules) -> bool:
+    from .passes.modality import _rule_modality
+    return _rule_modality(module_path(node), rules) is not None
+
+
+def _check_acyclic(prog: Program, part: Partition) -> None:
+    """The chunks of all modalities must form a DAG (a ``modalities=`` override can make two modules feed each
+    other); the error names the values on a cycle."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    for c, cm in prog.chunks.items():
+        g.add_node(c)
+        for i in cm.inputs:
+            if i.kind == "value" and i.src_chunk != c:
+                g.add_edge(i.src_chunk, c)
+                g.edges[i.src_chunk, c].setdefault("values", []).append(i.name)
+    try:
+        cycle = nx.find_cycle(g)
+    except nx.NetworkXNoCycle:
+        return
+    mod = {c.index: c.modality for c in part.chunks}
+    hops = [f"chunk {a} ({mod[a]}) -> chunk {b} ({mod[b]}) via {g.edges[a, b]['values'][:3]}" for a, b, *_ in cycle]
+    raise PartitionError("the chunks form a cycle, so no pipeline order exists: " + "; ".join(hops) + ". Check the "
+                         "modalities= rules: a module's glue (masks, merges) may have been given to another module")
+
+
 class CompiledPipeline:
     """A model compiled into modality chunks for ``pp_size`` pipeline ranks.
 
@@ -170,8 +208,11 @@ class CompiledPipeline:
     def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
                  modalities: Mapping[str, Sequence[str]] | None, chunks_per_rank: Mapping[str, int] | None,
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
-                 loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None):
+                 loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
+                 check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
+                 shared_keys: Sequence[str] = ()):
         self.model = model
+        self.check = check and not is_meta(model)
         self.device = device
         self.pp_size = pp_size
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
@@ -188,9 +229,13 @@ class CompiledPipeline:
         self._build = build
         self._warned: set = set()
         cap = capture(model, example_batch, dynamic=dynamic, loss_key=loss_key)
+        if self.check:
+            check_capture(model, cap, example_batch, loss_key=loss_key)
         self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss, variable,
-                                                             index_ranges(cap))
+                                                             index_ranges(cap), shared=shared_keys,
+                                                             tied=_tied_dims(cap))
         annotate_modality(cap.graph, self.rules)
+        self.rules_matched = any(_rule_hit(n, self.rules) for n in cap.graph.nodes if n.op == "call_function")
         if modalities is not None:
             found = set(modality_summary(cap.graph))
             unused = [m for m in modalities if m not in found]
@@ -204,7 +249,13 @@ class CompiledPipeline:
             instances, module_latency, node_seconds = self._dip_rules(cap, instances, auto_b or set())
             self.batch_spec.instances = list(instances)
         self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
-                                              module_latency=module_latency, node_seconds=node_seconds)
+                                              module_latency=module_latency, node_seconds=node_seconds,
+                                              split_points=split_points)
+        self.check_notes = place_checks(cap.graph, self.partition)
+        if self.rules_matched is False:
+            self.partition.notes[self.partition.modalities[0]] += (
+                "; no modality rule matched any module, so the whole model is one modality: name its parts with "
+                "modalities={'vision': ['<module path>'], 'text': [...]}")
         # forward + backward seconds per chunk on the device profile, at the sizes the partition balanced
         self.chunk_seconds: dict[int, float] = {}
         if node_seconds is not None:
@@ -218,6 +269,7 @@ class CompiledPipeline:
                                  f"{self.partition.modalities}")
         self.specialized = cap.specialized
         self.program = self._program_from(cap)
+        _check_acyclic(self.program, self.partition)
         self.programs: list[Program] = [self.program]
         self._check_sub_microbatching(self.program)
 
@@ -332,7 +384,7 @@ class CompiledPipeline:
                         raise BatchError(f"chunk {c} ({inst.modality}) reads {i.name!r} from a {mod_of[i.src_chunk]} "
                                          "chunk: it cannot run on sub-microbatches")
 
-    def program_for(self, data: Mapping[str, torch.Tensor]) -> Program:
+    def program_for(self, data: Mapping[str, torch.Tensor], whole: bool = True) -> Program:
         """A program whose graph fits ``data``: every dim static in that capture (fixed by the model, by
         torch.export's 0/1 rule or by the user) has ``data``'s value.  Captured on first use and cached; a new capture
         can fix more dims than the first one (e.g. an image count of 1), so each program is checked against its own
@@ -340,9 +392,11 @@ class CompiledPipeline:
 
         Args:
             data: a microbatch, or a sub-microbatch view (instance keys sliced).
+            whole: ``data`` is a whole microbatch (the eager model can run it): with ``check``, a new capture is
+                compared with the eager model (:func:`dipc.check.check_capture`).
         """
         for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
-            if signature_of(data, prog.capture.specialized) == prog.capture.signature:
+            if prog.capture.fits(data):
                 return prog
         sig = signature_of(data, self.specialized)
         changed = sorted({f"{k}.shape[{d}]" if a is not None else f"{k} (absent)"
@@ -354,8 +408,11 @@ class CompiledPipeline:
                 f"dipc: the model fixes {', '.join(new)} when traced (e.g. with list(tensor)); dipc re-captures it "
                 "once per distinct value (about one torch.export each) and caches the result", stacklevel=3)
         cap = capture(self.model, data, dynamic=self.dynamic, loss_key=self.loss_key)
+        if self.check and whole:
+            check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)
         apply_partition(cap.graph, self.partition)
+        place_checks(cap.graph, self.partition)
         prog = self._program_from(cap)
         self.programs.append(prog)
         return prog
@@ -424,19 +481,20 @@ class CompiledPipeline:
             b = f", B_i={inst.sub_microbatch_size} {m} instance(s) per sub-microbatch" if inst else ""
             if m in self.rule_notes:
                 b += f" ({self.rule_notes[m]})"
-            lines.append(f"  {m}: {part.n_blocks[m]} block(s) in {part.block_container.get(m, '(none)')}, "
+            lines.append(f"  {m}: {part.n_blocks[m]} block(s) ({part.notes.get(m, '')}), "
                          f"K_i={part.chunks_per_rank[m]} chunk(s) per rank{b}, est. forward "
                          f"{node_latency(part.module_cost[m]) * 1e3:.3f} ms")
         dev_col = f" {'F+B ms on ' + self.device.name:>16}" if self.chunk_seconds else ""
-        lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'seg':>3} {'layers':>10} {'params':>12} "
-                     f"{'GFLOP':>9} {'est. ms':>8}{dev_col}")
+        lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'seg':>3} {'params':>12} "
+                     f"{'GFLOP':>9} {'est. ms':>8}{dev_col}  blocks (module calls)")
         for c in part.chunks:
-            blocks = part.block_numbers[c.modality][c.blocks[0]:c.blocks[1]]
-            layers = f"{blocks[0]}-{blocks[-1]}" if blocks else "-"
+            names = part.chunk_blocks(c.index)
+            blocks = f"{names[0]} .. {names[-1]} ({len(names)})" if len(names) > 1 else names[0]
             n_params = sum(self._state[n].numel() for n in set(self.chunk_params(c.index)))
-            lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>3} {layers:>10} {n_params:>12,} "
+            lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>3} {n_params:>12,} "
                          f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}"
-                         + (f" {self.chunk_seconds.get(c.index, 0.0) * 1e3:>16.4f}" if self.chunk_seconds else ""))
+                         + (f" {self.chunk_seconds.get(c.index, 0.0) * 1e3:>16.4f}" if self.chunk_seconds else "")
+                         + f"  {blocks}")
         if self.specialized:
             dims = [f"{k}.shape[{d}]" for k, d in self.specialized]
             lines.append(f"static dims (re-captured per value when they change): {', '.join(dims)}")
@@ -469,7 +527,7 @@ class CompiledPipeline:
             os.makedirs(d, exist_ok=True)
             path = os.path.join(d, f"chunk{c.index}_{c.modality}.py")
             with open(path, "w") as f:
-                f.write(chunk_source(c, cm))
+                f.write(chunk_source(c, cm, self.partition.chunk_blocks(c.index)))
             written.append(path)
         path = os.path.join(directory, "pipeline.txt")
         with open(path, "w") as f:
@@ -496,7 +554,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             instances: Sequence[Instances] | None = None,
             loss: LossReduction | str | None = None,
             dynamic: Mapping[str, Mapping[int, Any]] | None = None,
-            loss_key: str = "loss", device=None) -> CompiledPipeline:
+            loss_key: str = "loss", device=None, check: bool | None = None,
+            split_points: Mapping[str, Sequence[str]] | None = None,
+            shared_keys: Sequence[str] = ()) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -521,15 +581,32 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             ``python -m dipc.calibrate``, ...): stage latencies and activation memory then come from the symbolic
             cost model (:mod:`dipc.passes.symcost`) on that device, evaluated per (chunk, shape); without it the
             planner uses the first, nominal estimate.
+        split_points: modality -> module paths to cut before, as torch.distributed.pipelining users give them
+            (``{"vision": ["vision_tower.layers.12"], "text": ["language_model.layers.8"]}``); that modality then
+            has ``len(points) + 1`` chunks (a multiple of ``pp_size``) instead of the balanced search's.
+        shared_keys: batch keys given whole to every microbatch: tensors without a batch dimension (Flux's
+            ``img_ids [S, 3]``, a RoPE table passed in).  0-dim tensors and Python values (ints, flags, dicts) are
+            shared without being named; a Python list or tuple with one entry per sample is split with the samples.
+            A tensor whose dim 0 is not the batch size must be named here or be an instance key.
+        check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
+            batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
+            difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
+            it); skipped for a model on the meta device.  Costs about one eager forward + backward per capture.
 
     Returns:
         a :class:`CompiledPipeline` (no process group needed).
 
     Raises:
-        dipc.passes.partition.PartitionError: ``pp_size`` larger than a module's block count allows, or a bad K_i.
+        dipc.passes.partition.PartitionError: a module has fewer candidate blocks (module calls) than its
+            ``pp_size * K_i`` chunks need, a bad K_i or split point, or the chunks of all modalities do not form an
+            acyclic graph (names the values on the cycle).
         dipc.capture.CaptureError: the model cannot be exported or returns no loss.
         dipc.batch.BatchError: an instance declaration does not fit the model.
+        dipc.capture.CaptureError / dipc.codegen.stage.CodegenError: with ``check``, a capture or the partitioned
+            pipeline computes another loss or gradient than the eager model (names the first parameter that differs).
     """
+    if check is None:
+        check = os.environ.get("DIPC_CHECK", "0") == "1"
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
     auto_b: set[str] = set()
@@ -554,6 +631,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     if isinstance(device, str):
         from .device import DeviceProfile
         device = DeviceProfile.load(device)
-    return CompiledPipeline(model, example_batch, pp_size, modalities=modalities, chunks_per_rank=chunks_per_rank,
-                            instances=instances, loss=loss, dynamic=dynamic, loss_key=loss_key, device=device,
-                            auto_b=auto_b)
+    compiled = CompiledPipeline(model, example_batch, pp_size, modalities=modalities,
+                                chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,
+                                loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
+                                split_points=split_points, shared_keys=tuple(shared_keys))
+    if compiled.check:
+        check_pipeline(compiled, example_batch)
+    return compiled

@@ -149,7 +149,7 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
         for mod, inst in inst_of.items():
             for j in range(len(mb.subs[mod])):
                 view = mb.sub_view(inst, j)
-                sp = compiled.program_for(view)
+                sp = compiled.program_for(view, whole=False)
                 sub_progs[(mod, j)] = sp
                 for c in sorted(sp.chunks):
                     if mod_of[c] == mod:
@@ -196,6 +196,8 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                 lst = edges.setdefault((pk, key), [])
                 if spec not in lst:
                     lst.append(spec)
+                if pst.rank == stages[key].rank:  # the consumer reads the producer's outputs: they live until then
+                    edges.setdefault((key, "B" + pk[1:]), [])
                 if meta.requires_grad:
                     bk = "B" + key[1:]
                     bpk = "B" + pk[1:]
@@ -210,9 +212,8 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
 
 def _units(compiled, data) -> float:
     """Work units of a whole-microbatch stage: elements of the first per-sample key (tokens for text)."""
-    spec = compiled.batch_spec
-    key = next(k for k in spec.keys if k not in spec.instance_keys)
-    return float(data[key].numel())
+    key = compiled.batch_spec.sample_key
+    return float(data[key].numel()) if key else 1.0
 
 
 def _example_units(compiled) -> dict[str, float]:
@@ -225,10 +226,9 @@ def _example_units(compiled) -> dict[str, float]:
             v = n.meta.get("val")
             shapes[ex.input_keys[n.name]] = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
                                              for s in v.shape]
-    spec = compiled.batch_spec
-    key = next(k for k in spec.keys if k not in spec.instance_keys)
+    key = compiled.batch_spec.sample_key
     tokens = 1
-    for s in shapes[key]:
+    for s in (shapes[key] if key in shapes else ()):
         tokens *= s
     for m in compiled.partition.modalities:
         if m in inst_of:
@@ -431,7 +431,7 @@ class Executor:
             for name, t in tensors.items():
                 g[name] = g[name] + t if name in g else t
         tensors, grads = [], []
-        if cm.loss is not None:
+        if cm.loss is not None and out[cm.loss].requires_grad:
             mb = self.w.microbatches[a.mb]
             tensors.append(out[cm.loss])
             grads.append(torch.full_like(out[cm.loss], mb.weight))

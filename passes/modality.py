@@ -34,7 +34,7 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "vision": ["vision_tower", "visual", "vision_model", "image_encoder", "vision_encoder", "multi_modal_projector",
                "mm_projector"],
     "audio": ["audio_tower", "audio_encoder"],
-    "text_encoder": ["text_encoder", "text_encoders", "text_encoder_2"],
+    "text_encoder": ["text_encoder", "text_encoders", "text_encoder_2", "text_encoder_3"],
     "text": ["language_model", "llm", "text_model"],
     "dit": ["transformer", "dit", "unet", "denoiser"],
 }

@@ -47,8 +47,14 @@ def test_vpp_placement_and_balanced_cover(vlm_compiled):
         for k, ch in enumerate(chunks):
             assert ch.position == k and ch.rank == k % 2 and ch.segment == k // 2  # chunk k*P + r on rank r
         covered = [b for ch in chunks for b in range(*ch.blocks)]
-        assert covered == list(range(part.n_blocks[m]))  # every layer once, in order
-    assert part.n_blocks == {"text": 8, "vision": 4}
+        assert covered == list(range(part.n_blocks[m]))  # every block once, in order
+    # every decoder layer lies in exactly one text chunk: the cuts fall where only the hidden state (not a layer's
+    # residual and its normalised copy) crosses, two layers per chunk
+    layers = [{int(n.split(".")[2]) for n in part.chunk_blocks(ch.index) if n.startswith("language_model.layers.")}
+              for ch in part.chunks_of("text")]
+    assert layers == [{0, 1}, {2, 3}, {4, 5}, {6, 7}]
+    assert part.chunk_blocks(part.chunks_of("text")[0].index)[0] == "language_model.embed_tokens"
+    assert part.chunk_blocks(part.chunks_of("text")[-1].index)[-1] == "lm_head"
 
 
 def test_parameters_partitioned_exactly_once(vlm_compiled):
@@ -105,16 +111,25 @@ def test_local_execution_matches_unsplit(vlm_compiled, counts, n_mb):
     assert dipc.Plan.from_json(plan.to_json()).digest() == plan.digest()
 
 
-def test_pp_size_too_large_is_a_clear_error():
+def test_more_ranks_than_layers_cuts_inside_layers():
+    """pp_size 5 on a 4-layer vision tower: the cuts fall between the layers' sub-modules, and the pipeline still
+    computes the unsplit model's loss and gradients."""
     torch.manual_seed(0)
-    with pytest.raises(PartitionError, match=r"pp_size=5 is larger than module '(vision|text)' allows: it has 4"):
-        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 5)
+    model = pc.vlm()
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 5, check=True)
+    assert len(c.partition.chunks_of("vision")) == 5
+    names = [n for ch in c.partition.chunks_of("vision") for n in c.partition.chunk_blocks(ch.index)]
+    assert any(n.startswith("vision_tower.layers.") and n.count(".") >= 3 for n in names)  # inside a layer
 
 
-def test_chunks_per_rank_too_large_is_a_clear_error():
+def test_too_many_chunks_is_a_clear_error():
     torch.manual_seed(0)
-    with pytest.raises(PartitionError, match=r"chunks_per_rank\['text'\]=3 needs 6 chunks but module 'text' has 4"):
-        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, chunks_per_rank={"text": 3})
+    with pytest.raises(PartitionError, match=r"pp_size=64 needs 64 chunks of module '(vision|text)', but it has only "
+                                             r"\d+ candidate block\(s\)"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 64)
+    with pytest.raises(PartitionError, match=r"chunks_per_rank\['text'\]=40 with pp_size=2 needs 80 chunks of "
+                                             r"module 'text', but it has only \d+ candidate block\(s\)"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, chunks_per_rank={"text": 40})
 
 
 def test_bad_batches_are_named(vlm_compiled):
@@ -142,7 +157,9 @@ def test_bad_batches_are_named(vlm_compiled):
                                          r"\(vocabulary 128\) takes \[0, 127\]"):
         spec.split(vocab, 2)
     short = dict(good, labels=good["labels"][:, :-1])
-    with pytest.raises(BatchError, match=r"keys \['input_ids', 'labels'\] had one shape in the example batch"):
+    with pytest.raises(BatchError, match=r"keys \['input_ids', 'labels'\] must agree in size where the model's "
+                                         r"trace ties them, but differ here: \{'input_ids.shape\[1\]': 16, "
+                                         r"'labels.shape\[1\]': 15\}"):
         spec.split(short, 2)
     big = dict(good, pixel_values=torch.randn(3, 3, 32, 32))
     with pytest.raises(BatchError, match=r"per-instance shape \[3, 32, 32\] but the example had \[3, 16, 16\]"):
