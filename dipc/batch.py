@@ -5,8 +5,9 @@
   (``pixel_values [N, 3, H, W]``); *shared* keys are given whole to every microbatch (a tensor without a batch
   dimension such as Flux's ``img_ids [S, 3]``, a 0-dim tensor, a Python value such as a dict of flags).  Python
   values are allowed: a list or tuple of length B is per-sample (split with the samples), anything else is shared;
-  the model's trace is specialised to Python values, so each distinct value gets its own capture.  Which instances belong to which sample is read from the placeholder tokens:
-  sample b owns ``count(input_ids[b] == token_id) / tokens_per_instance`` consecutive instances.
+  the model's trace is specialised to Python values, so each distinct value gets its own capture.  Which instances
+  belong to which sample: :mod:`dipc.instances` (placeholder tokens, an owner index, patch-packed rows, per-sample
+  padded keys).
 * Microbatches split the samples into near-equal contiguous groups and keep each sample's instances with it
   (image and text tensors are never split independently along dim 0).
 * An instance modality's work in a microbatch with N_i instances is split into ``M_i = ceil(N_i / B_i)`` near-equal
@@ -22,35 +23,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from .instances import Instances
+
 __all__ = ["BatchError", "Instances", "LossReduction", "Microbatch", "BatchSpec", "near_equal"]
 
 
 class BatchError(ValueError):
     """A batch does not match the compiled pipeline (raised on every rank before any communication)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Instances:
-    """How a modality's instances (e.g. images) appear in a batch.
-
-    Attributes:
-        modality: the modality module that encodes them (e.g. "vision").
-        keys: per-instance batch keys, dim 0 = instance (e.g. ``["pixel_values"]``).
-        token_id: the placeholder token id in ``token_key``.
-        tokens_per_instance: placeholder tokens per instance (e.g. (image_size / patch)^2).
-        token_key: the per-sample token key holding the placeholders.
-        sub_microbatch_size: B_i, instances per sub-microbatch (default 12, the size DIP chose, PAPER.md §3.6).
-        drop_when_empty: drop ``keys`` from a microbatch that has no instance (models that take ``None`` for a
-            text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor.
-    """
-
-    modality: str
-    keys: tuple[str, ...]
-    token_id: int
-    tokens_per_instance: int
-    token_key: str = "input_ids"
-    sub_microbatch_size: int = 12
-    drop_when_empty: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +78,8 @@ class Microbatch:
         index: microbatch id.
         data: key -> tensor (instance keys hold this microbatch's instances only).
         instances: modality -> instance count N_i.
-        subs: modality -> list of ``(start, stop)`` instance ranges of its sub-microbatches (M_i entries).
+        subs: modality -> list of ``(start, stop)`` instance ranges of its sub-microbatches (M_i entries; sample
+            ranges for per-sample instance keys).
         weight: this microbatch's share of the batch loss.
     """
 
@@ -113,8 +93,7 @@ class Microbatch:
         """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``."""
         lo, hi = self.subs[inst.modality][sub]
         view = dict(self.data)
-        for k in inst.keys:
-            view[k] = self.data[k][lo:hi]
+        view.update(inst.cut(self.data, lo, hi))
         return view
 
     def meta(self) -> dict:
@@ -161,11 +140,19 @@ class BatchSpec:
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
         out = dict(batch)
-        droppable = {k for i in self.instances if i.drop_when_empty for k in i.keys}
-        for k in self.instance_keys:
-            if (k in out and out[k] is None) or (k not in out and k in droppable):
-                out[k] = torch.empty((0,) + tuple(self.trailing[k]), dtype=self.keys[k][1])
+        for inst in self.instances:
+            for k in inst.keys:
+                if (k in out and out[k] is None) or (k not in out and inst.drop_when_empty):
+                    if inst.per_sample:  # per-sample keys cannot be 0-sized: the batch has none of them
+                        out.pop(k, None)
+                    else:
+                        out[k] = torch.empty((0,) + tuple(self.trailing[k]), dtype=self.keys[k][1])
         return out
+
+    @property
+    def optional_keys(self) -> set[str]:
+        """Per-sample instance keys a batch without instances may leave out (``drop_when_empty``)."""
+        return {k for i in self.instances if i.per_sample and i.drop_when_empty for k in i.keys}
 
     def batch_size(self, batch: Mapping[str, torch.Tensor]) -> int:
         """B, the number of samples of a valid ``batch`` (raises :class:`BatchError` like :meth:`validate`)."""
@@ -203,13 +190,19 @@ class BatchSpec:
         if not isinstance(batch, Mapping):
             raise BatchError(f"a batch is a dict of tensors, got {type(batch).__name__}")
         expected = list(self.keys) + list(self.values)
-        missing = [k for k in expected if k not in batch]
+        missing = [k for k in expected if k not in batch and k not in self.optional_keys]
+        for inst in self.instances:  # optional keys come all together or not at all
+            given = [k for k in inst.keys if k in batch]
+            if given and len(given) < len(inst.keys):
+                missing += [k for k in inst.keys if k not in batch and k not in missing]
         if missing:
             raise BatchError(f"batch is missing key(s) {missing} of the example batch (expected {expected})")
         extra = [k for k in batch if k not in expected]
         if extra:
             raise BatchError(f"batch has key(s) {extra} that the example batch did not have ({expected})")
         for k, (ndim, dtype) in self.keys.items():
+            if k not in batch:
+                continue
             v = batch[k]
             if not isinstance(v, torch.Tensor):
                 raise BatchError(f"batch[{k!r}] is a {type(v).__name__}, expected a tensor")
@@ -219,11 +212,14 @@ class BatchSpec:
                 raise BatchError(f"batch[{k!r}] has dtype {v.dtype}, the example had {dtype}")
         per_sample = self.per_sample_keys
         for group in self.same_shape:
-            sizes = {f"{k}.shape[{d}]": batch[k].shape[d] for k, d in group}
+            sizes = {f"{k}.shape[{d}]": batch[k].shape[d] for k, d in group if k in batch}
             if len(set(sizes.values())) > 1:
                 raise BatchError(f"keys {list(dict.fromkeys(k for k, _ in group))} must agree in size where the "
                                  f"model's trace ties them, but differ here: {sizes}")
+        per_sample_inst = {k for i in self.instances if i.per_sample for k in i.keys}
         for k, trail in self.trailing.items():
+            if k not in batch or k in per_sample_inst:  # padded per-sample layouts vary in their max counts
+                continue
             got = tuple(batch[k].shape[1:])
             bad = [d + 1 for d, (a, b) in enumerate(zip(got, trail)) if a != b and (k, d + 1) not in self.variable_trailing]
             if bad:
@@ -231,8 +227,8 @@ class BatchSpec:
                                  f"(dims {bad}); declare them with dynamic={{{k!r}: {{dim: Dim(...)}}}} if the model "
                                  "takes other sizes")
         for k, lo, hi, ignore, what in self.value_ranges:
-            v = batch[k]
-            if v.numel() == 0:
+            v = batch.get(k)
+            if v is None or v.numel() == 0:
                 continue
             valid = v if ignore is None else v[v != ignore]
             if valid.numel() and (int(valid.min()) < lo or int(valid.max()) >= hi):
@@ -251,22 +247,7 @@ class BatchSpec:
             raise BatchError("batch has no sample (batch size 0)")
         counts = {}
         for inst in self.instances:
-            tok = batch[inst.token_key]
-            per = (tok == inst.token_id).reshape(B, -1).sum(dim=1)
-            bad = [(b, int(c)) for b, c in enumerate(per.tolist()) if c % inst.tokens_per_instance]
-            if bad:
-                raise BatchError(
-                    f"sample(s) {[b for b, _ in bad]} of {inst.token_key!r} hold {[c for _, c in bad]} placeholder "
-                    f"tokens (id {inst.token_id}), not a multiple of {inst.tokens_per_instance} tokens per "
-                    f"{inst.modality} instance")
-            n = per // inst.tokens_per_instance
-            for k in inst.keys:
-                if batch[k].shape[0] != int(n.sum()):
-                    raise BatchError(
-                        f"batch[{k!r}] holds {batch[k].shape[0]} {inst.modality} instance(s) but {inst.token_key!r} "
-                        f"has {int(per.sum())} placeholder tokens (id {inst.token_id}) = {int(n.sum())} instance(s) "
-                        f"of {inst.tokens_per_instance} tokens")
-            counts[inst.modality] = n
+            counts[inst.modality] = inst.per_sample_counts(batch, B)
         return B, counts
 
     def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int) -> list[Microbatch]:
@@ -284,7 +265,8 @@ class BatchSpec:
             raise BatchError(f"n_microbatches={n_microbatches} is larger than the batch size {B}")
         sizes = near_equal(B, n_microbatches)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        inst_start = {m: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]) for m, c in counts.items()}
+        inst_start = {m: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]).tolist()
+                      for m, c in counts.items()}
         mbs = []
         for i, (s, n) in enumerate(zip(starts, sizes)):
             data = {}
@@ -295,12 +277,18 @@ class BatchSpec:
                     data[k] = v[s:s + n]
             ninst, subs = {}, {}
             for inst in self.instances:
-                lo, hi = int(inst_start[inst.modality][s]), int(inst_start[inst.modality][s + n])
-                ninst[inst.modality] = hi - lo
-                for k in inst.keys:
-                    if hi > lo or not inst.drop_when_empty:
-                        data[k] = batch[k][lo:hi]
-                N = hi - lo
+                lo, hi = inst_start[inst.modality][s], inst_start[inst.modality][s + n]
+                N = ninst[inst.modality] = hi - lo
+                if inst.per_sample and inst.present(batch):
+                    # cut with the samples, padding slots included (the unsplit model encodes those too); the
+                    # encoder runs on the whole microbatch
+                    data.update(inst.cut(batch, s, s + n))
+                    subs[inst.modality] = [(0, n)]
+                    continue
+                if not inst.present(batch) or (N == 0 and inst.drop_when_empty):
+                    subs[inst.modality] = []
+                    continue
+                data.update(inst.cut(batch, lo, hi, sample_lo=s))
                 M = math.ceil(N / inst.sub_microbatch_size)
                 ranges, o = [], 0
                 for sz in (near_equal(N, M) if M else []):

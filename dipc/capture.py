@@ -149,9 +149,10 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
         try:
             ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
         except Exception as e:
-            shapes = {k: list(v.shape) for k, v in batch.items()}
+            shapes = {k: list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in batch.items()}
             raise CaptureError(f"torch.export could not trace {type(model).__name__}(**batch) with batch shapes "
-                               f"{shapes}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+                               f"{shapes}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               f"{_model_frame(e)}") from e
     functionalized = False
     if _mutating_ops(ep.graph) or _transform_ops(ep.graph):
         # an in-place write into a view (``mask[:, -2:] = 0``, ``index_put_``, ``copy_`` into a slice) has no users
@@ -239,6 +240,24 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
 def python_values(batch: Mapping[str, Any]) -> tuple:
     """The batch's Python (non-tensor) values in a hashable form: the trace is specialised to them."""
     return tuple(sorted((k, repr(v)) for k, v in batch.items() if not isinstance(v, torch.Tensor)))
+
+
+def _model_frame(e: BaseException) -> str:
+    """`` at <file>:<line> `<code>` ``: the innermost frame of the model's own code (not torch's, not dipc's) where
+    tracing failed, so the error names the construct (a ``.tolist()``, a data-dependent branch, ...)."""
+    import os
+    import traceback
+
+    torch_dir = os.path.dirname(torch.__file__)
+    dipc_dir = os.path.dirname(__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(torch_dir) and not f.filename.startswith(dipc_dir)
+              and "/contextlib.py" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    short = f.filename.split("site-packages/")[-1]
+    return f" (in the model's code at {short}:{f.lineno}: `{(f.line or '').strip()}`)"
 
 
 @contextlib.contextmanager

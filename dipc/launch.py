@@ -80,6 +80,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     Raises:
         SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
     """
+    # every rank must trace the model alike: a forward that iterates a set of strings (Hugging Face Gemma3's
+    # set(config.layer_types)) follows the hash seed, so all ranks get the same one
+    os.environ.setdefault("PYTHONHASHSEED", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

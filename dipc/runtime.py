@@ -210,6 +210,17 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                         empty=empty, graph=StageGraph(stages=stages, edges=edge_list))
 
 
+def workload_digest(w: StepWorkload) -> str:
+    """SHA-256 of a step's stage graph: every edge with the names, shapes and dtypes of the tensors it carries.
+    Ranks that traced the model alike agree on it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for e in sorted(w.graph.edges, key=lambda e: (e.src, e.dst)):
+        h.update(f"{e.src}>{e.dst}:{[(t.name, t.shape, t.dtype) for t in e.tensors]};".encode())
+    return h.hexdigest()
+
+
 def _units(compiled, data) -> float:
     """Work units of a whole-microbatch stage: elements of the first per-sample key (tokens for text)."""
     key = compiled.batch_spec.sample_key
@@ -652,18 +663,29 @@ class PipelineRuntime:
     def plan_step(self, microbatches: list[Microbatch]) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make) its plan; checks step and digest."""
         w = build_workload(self.compiled, microbatches)
+        mine = workload_digest(w)
         payload = [None]
         if self.rank == 0:
             plan = make_plan(self.compiled, w, self.step_index)
             text = plan.to_json()
-            payload = [(self.step_index, plan.digest(), text)]
+            payload = [(self.step_index, plan.digest(), text, mine)]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(payload, src=src, group=self.group)
-        step, digest, text = payload[0]
+        step, digest, text, theirs = payload[0]
         plan = Plan.from_json(text)
         if step != self.step_index or plan.digest() != digest:
             raise PlanError(f"rank {self.rank} got the plan of step {step} (digest {digest[:12]}) while at step "
                             f"{self.step_index} (digest {plan.digest()[:12]})")
+        same = torch.tensor([1 if mine == theirs else 0], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+        work.wait(self.transport.timeout)
+        if int(same.item()) == 0:  # every rank raises, before any activation moves
+            raise PlanError(
+                f"ranks traced the model into different values (rank {self.rank}: stage graph digest {mine[:12]}, "
+                f"rank 0: {theirs[:12]}): the model's forward depends on the process, e.g. it iterates a Python set of strings "
+                "(Hugging Face Gemma3: set(config.layer_types)), whose order follows hash randomisation. Start every "
+                "rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: PYTHONHASHSEED=0 "
+                "torchrun ...)")
         return w, plan
 
     def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Hugging Face models (transformers, diffusers) from tiny configs, and their training batches, for the tests.
+
+Importable by spawned ranks ("hf_cases:paligemma").  Every batch list is ``[example, step 1, step 2, step 3]`` of
+4 samples; with 2 microbatches the steps' microbatches hold (0, 2), (2, 0) and (1, 1) images: a text-only
+microbatch first, then one last, then images in both, so models that fix the image count at export (most HF
+VLMs) are re-captured for 0, 1 and 2 images, and a capture made for one key set is never reused for another.
+Text lengths differ between steps.
+"""
+from dipc.models import hf_diffusion, hf_vlm
+
+COUNTS = [[1, 1, 0, 1], [0, 0, 1, 1], [1, 1, 0, 0], [1, 0, 0, 1]]
+SEQS = [40, 40, 36, 44]
+
+
+def _vlm_batches(batch_fn):
+    return [batch_fn(c, s, seed) for seed, (c, s) in enumerate(zip(COUNTS, SEQS))]
+
+
+def paligemma():
+    return hf_vlm.tiny_paligemma(0)
+
+
+def paligemma_batches():
+    return _vlm_batches(hf_vlm.paligemma_batch)
+
+
+def gemma3():
+    return hf_vlm.tiny_gemma3(0)
+
+
+def gemma3_batches():
+    return _vlm_batches(hf_vlm.gemma3_batch)
+
+
+def mllama():
+    """Mllama with every cross-attention and vision gate at 0.5: Hugging Face initialises them to zero, which makes
+    the text blind to the images and the vision gradients zero (a vacuous check)."""
+    return hf_vlm.tiny_mllama(0)
+
+
+def mllama_batches():
+    return _vlm_batches(hf_vlm.mllama_batch)
+
+
+def llava():
+    from dipc.models.hf import tiny_llava
+    return tiny_llava(0)
+
+
+def llava_batches():
+    import pipeline_cases as pc
+    from dipc.models.hf import tiny_llava_config
+    cfg = tiny_llava_config()
+    size = cfg.vision_config.image_size
+    tpi = (size // cfg.vision_config.patch_size) ** 2
+    return [pc.vlm_batch(c, s, seed, tpi, cfg.image_token_id, size) for seed, (c, s) in
+            enumerate(zip(COUNTS, [3 * tpi, 3 * tpi, 4 * tpi, 3 * tpi + 2]))]
+
+
+def flux():
+    return hf_diffusion.tiny_flux(0)
+
+
+def flux_batches():
+    """Text lengths of CLIP and T5 differ (the model does not tie them)."""
+    return [hf_diffusion.flux_batch(4, seed, t5_len=t) for seed, t in enumerate((7, 6, 8, 7))]
+
+
+def flux_with_ids_batches():
+    """``img_ids [H*W/4, 3]`` and ``txt_ids [L, 3]`` in the batch: tensors without a batch dimension."""
+    return [hf_diffusion.flux_batch(4, seed, t5_len=t, with_ids=True) for seed, t in enumerate((7, 6, 8, 7))]
+
+
+def sd3():
+    return hf_diffusion.tiny_sd3(0)
+
+
+def sd3_batches():
+    return [hf_diffusion.sd3_batch(4, seed, t5_len=t) for seed, t in enumerate((7, 6, 8, 7))]
+
+
+#: name -> (model fn, batches fn, compile kwargs), the models the multi-rank test trains
+CASES = {
+    "paligemma": ("hf_cases:paligemma", "hf_cases:paligemma_batches", {}),
+    "gemma3": ("hf_cases:gemma3", "hf_cases:gemma3_batches", {}),
+    "mllama": ("hf_cases:mllama", "hf_cases:mllama_batches", {}),
+    "llava": ("hf_cases:llava", "hf_cases:llava_batches", {"sub_microbatch_size": {"vision": 1}}),
+    "flux": ("hf_cases:flux", "hf_cases:flux_with_ids_batches", {"shared_keys": ["img_ids", "txt_ids"]}),
+    "sd3": ("hf_cases:sd3", "hf_cases:sd3_batches", {}),
+}
