@@ -142,7 +142,7 @@ class BatchSpec:
         out = dict(batch)
         for inst in self.instances:
             for k in inst.keys:
-                if (k in out and out[k] is None) or (k not in out and inst.drop_when_empty):
+                if (k in out and out[k] is None) or (k not in out and (inst.drop_when_empty or inst.per_sample)):
                     if inst.per_sample:  # per-sample keys cannot be 0-sized: the batch has none of them
                         out.pop(k, None)
                     else:
@@ -151,8 +151,8 @@ class BatchSpec:
 
     @property
     def optional_keys(self) -> set[str]:
-        """Per-sample instance keys a batch without instances may leave out (``drop_when_empty``)."""
-        return {k for i in self.instances if i.per_sample and i.drop_when_empty for k in i.keys}
+        """Per-sample instance keys, which a batch without instances may leave out."""
+        return {k for i in self.instances if i.per_sample for k in i.keys}
 
     def batch_size(self, batch: Mapping[str, torch.Tensor]) -> int:
         """B, the number of samples of a valid ``batch`` (raises :class:`BatchError` like :meth:`validate`)."""
@@ -279,9 +279,9 @@ class BatchSpec:
             for inst in self.instances:
                 lo, hi = inst_start[inst.modality][s], inst_start[inst.modality][s + n]
                 N = ninst[inst.modality] = hi - lo
-                if inst.per_sample and inst.present(batch):
-                    # cut with the samples, padding slots included (the unsplit model encodes those too); the
-                    # encoder runs on the whole microbatch
+                if inst.per_sample and inst.present(batch) and not (N == 0 and inst.drop_when_empty):
+                    # cut with the samples, padding slots included (Mllama encodes those too); the encoder runs on
+                    # the whole microbatch
                     data.update(inst.cut(batch, s, s + n))
                     subs[inst.modality] = [(0, n)]
                     continue

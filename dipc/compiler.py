@@ -21,11 +21,12 @@ import torch
 import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
-from .capture import Capture, capture, signature_of
+from .capture import Capture, CaptureError, capture, signature_of
 from .check import check_capture, check_pipeline, is_meta
 from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.checks import place_checks
+from .passes.datasizes import SizeProgram, size_program
 from .passes.partition import Partition, PartitionError, apply_partition, partition
 from .passes.symcost import annotate_symbolic_cost, compile_costs
 from .codegen.stage import ChunkModule, build_chunk_modules
@@ -53,6 +54,7 @@ class Program:
     boundary: dict[str, list[str]]
     loss_params: set[str] = dataclasses.field(default_factory=set)
     chunk_costs: dict = dataclasses.field(default_factory=dict)
+    sizes: SizeProgram | None = None
 
     def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
         """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device
@@ -62,12 +64,23 @@ class Program:
         return None if cc is None else cc(bindings)
 
     def bind(self, data: Mapping[str, torch.Tensor]) -> dict[sympy.Symbol, int]:
-        """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view)."""
+        """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view), and of the sizes
+        that depend on its values (:mod:`dipc.passes.datasizes`, e.g. Idefics3's count of real images)."""
         out = {}
         for sym, key, dim in self.bindings:
             if key in data:
                 out[sym] = int(data[key].shape[dim])
+        if self.sizes is not None:
+            out.update(self.sizes(data))
         return out
+
+    def fits(self, data: Mapping[str, torch.Tensor], traced: Mapping | None = None) -> bool:
+        """True when this program's graph is valid for ``data``: same keys, static dims and static values as its
+        capture (:meth:`dipc.capture.Capture.fits`, on ``traced``: ``data`` as the trace saw it), and the trace's
+        assertions on data-dependent sizes hold."""
+        if not self.capture.fits(data if traced is None else traced):
+            return False
+        return self.sizes is None or not self.sizes.guards or self.sizes.holds(self.bind(data))
 
 
 _TRANSPARENT = {"view", "reshape", "_unsafe_view", "slice", "contiguous", "clone", "to", "_to_copy", "alias",
@@ -131,6 +144,13 @@ def _bindings(cap: Capture) -> list[tuple[sympy.Symbol, str, int]]:
     return out
 
 
+def _data_dependent(e: BaseException) -> bool:
+    """True when a capture failed on a size or branch that depends on the batch's values."""
+    text = f"{e} {e.__cause__}"
+    return any(w in text for w in ("data-dependent", "DataDependent", "GuardOnDataDependent", "control flow",
+                                   "unbacked"))
+
+
 def _tied_dims(cap: Capture) -> list[list[tuple[str, int]]]:
     """Groups of ``(batch key, dim)`` that are one symbol in the capture (e.g. the sequence length of
     ``input_ids`` and ``labels``)."""
@@ -148,9 +168,11 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
       ``mm_tokens_per_image`` (Gemma3), ``text_config.num_image_tokens`` (PaliGemma), ``tokens_per_image``, else
       the vision tower's patch grid (``+1`` with the "full" feature strategy);
     * Idefics3 / SmolVLM: per-sample padded ``pixel_values [B, max_images, 3, H, W]`` (+ ``pixel_attention_mask``),
-      ``(image_size / patch)^2 / scale_factor^2`` tokens per image;
-    * Mllama: per-sample padded ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``, one ``<|image|>``
-      token per image (the text cross-attends to the images);
+      ``(image_size / patch)^2 / scale_factor^2`` tokens per image (it drops padding images itself, so a
+      microbatch without images passes none);
+    * Mllama: per-sample padded ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``,
+      ``cross_attention_mask``, one ``<|image|>`` token per image (the text cross-attends to the images, padding
+      slots included, so a microbatch without images keeps its keys);
     * Qwen2-VL / Qwen2.5-VL: patch-packed ``pixel_values [patches, C*T*P*P]`` with ``image_grid_thw [N, 3]``,
       ``prod(grid) / spatial_merge_size^2`` tokens per image.
 
@@ -175,7 +197,7 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     if kind in ("mllama",):
         return [Instances("vision", present("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
                                             "cross_attention_mask"),
-                          int(token_id), 1, per_sample=True, drop_when_empty=True, sub_microbatch_size=b)]
+                          int(token_id), 1, per_sample=True, sub_microbatch_size=b)]
     if kind in ("idefics3", "smolvlm", "idefics2") and vc is not None:
         scale = int(getattr(cfg, "scale_factor", 1) or 1)
         tpi = (vc.image_size // vc.patch_size) ** 2 // (scale * scale)
@@ -252,7 +274,7 @@ class CompiledPipeline:
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
-                 shared_keys: Sequence[str] = ()):
+                 shared_keys: Sequence[str] = (), static_keys: Sequence[str] = ()):
         self.model = model
         self.check = check and not is_meta(model)
         self.device = device
@@ -270,7 +292,8 @@ class CompiledPipeline:
             self._state[name] = b
         self._build = build
         self._warned: set = set()
-        cap = capture(model, example_batch, dynamic=dynamic, loss_key=loss_key)
+        self.static_keys = list(static_keys)
+        cap = self._capture(example_batch, first=True)
         if self.check:
             check_capture(model, cap, example_batch, loss_key=loss_key)
         self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss, variable,
@@ -316,12 +339,52 @@ class CompiledPipeline:
         self._check_sub_microbatching(self.program)
 
     # ------------------------------------------------------------------ programs
+    def traced(self, data: Mapping[str, Any]) -> dict:
+        """``data`` as the trace sees it: the ``static_keys`` tensors as nested Python lists (constants)."""
+        out = dict(data)
+        for k in self.static_keys:
+            if isinstance(out.get(k), torch.Tensor):
+                out[k] = out[k].tolist()
+        return out
+
+    def _capture(self, data: Mapping[str, Any], first: bool = False) -> Capture:
+        """Capture ``model(**data)``.  When the first capture fails on a size or branch that depends on data,
+        small integer tensors of the batch (not its tokens or labels) are retried as static values - the
+        ``.tolist()`` of Hugging Face LLaVA-NeXT's ``image_sizes`` - with a warning naming them."""
+        try:
+            return capture(self.model, self.traced(data), dynamic=self.dynamic, loss_key=self.loss_key)
+        except CaptureError as e:
+            if not first or self.static_keys or not _data_dependent(e):
+                raise
+            guess = [k for k, v in data.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()
+                     and 0 < v.numel() <= 4096 and k not in (self.batch_spec_keys_excluded(data))]
+            if not guess:
+                raise
+            self.static_keys = guess
+            try:
+                cap = capture(self.model, self.traced(data), dynamic=self.dynamic, loss_key=self.loss_key)
+            except CaptureError:
+                self.static_keys = []
+                raise e
+            warnings.warn(f"dipc: {type(self.model).__name__}'s forward reads the values of {guess} (e.g. with "
+                          ".tolist()): they are static in its trace, re-captured per distinct value; pass "
+                          "static_keys= to say so", stacklevel=4)
+            return cap
+
+    @staticmethod
+    def batch_spec_keys_excluded(data: Mapping[str, Any]) -> set[str]:
+        """Integer keys never made static by the retry: tokens, labels and masks over tokens."""
+        from .batch import TOKEN_ALIGNED
+        return {"input_ids"} | TOKEN_ALIGNED | {k for k in data if k.endswith("input_ids")}
+
     def _program_from(self, cap: Capture) -> Program:
         state = dict(self._state)
         for name, t in cap.constants.items():
             state.setdefault(name, t)
+        sizes = size_program(cap.graph, cap.input_keys, cap.state_targets, cap.constants)
         chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
-                                     len(self.partition.chunks), build=self._build)
+                                     len(self.partition.chunks), build=self._build,
+                                     data_symbols=sizes.symbols if sizes is not None else ())
         bindings = _bindings(cap)
         boundary: dict[str, list[str]] = {}
         mod_of = {c.index: c.modality for c in self.partition.chunks}
@@ -343,7 +406,8 @@ class CompiledPipeline:
             if n.op == "placeholder" and cap.state_targets.get(n.name, ("",))[0] == "parameter":
                 loss_params.add(cap.state_targets[n.name][1])
             stack.extend(n.all_input_nodes)
-        prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params)
+        prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
+                       sizes=sizes)
         if self.device is not None:
             prog.chunk_costs = self._chunk_costs(cap)
         return prog
@@ -437,8 +501,9 @@ class CompiledPipeline:
             whole: ``data`` is a whole microbatch (the eager model can run it): with ``check``, a new capture is
                 compared with the eager model (:func:`dipc.check.check_capture`).
         """
+        traced = self.traced(data)
         for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
-            if prog.capture.fits(data):
+            if prog.fits(data, traced):
                 return prog
         sig = signature_of(data, self.specialized)
         changed = sorted({f"{k}.shape[{d}]" if a is not None else f"{k} (absent)"
@@ -449,7 +514,7 @@ class CompiledPipeline:
             warnings.warn(
                 f"dipc: the model fixes {', '.join(new)} when traced (e.g. with list(tensor)); dipc re-captures it "
                 "once per distinct value (about one torch.export each) and caches the result", stacklevel=3)
-        cap = capture(self.model, data, dynamic=self.dynamic, loss_key=self.loss_key)
+        cap = self._capture(data)
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)
@@ -598,7 +663,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             dynamic: Mapping[str, Mapping[int, Any]] | None = None,
             loss_key: str = "loss", device=None, check: bool | None = None,
             split_points: Mapping[str, Sequence[str]] | None = None,
-            shared_keys: Sequence[str] = ()) -> CompiledPipeline:
+            shared_keys: Sequence[str] = (), static_keys: Sequence[str] = ()) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -630,6 +695,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             ``img_ids [S, 3]``, a RoPE table passed in).  0-dim tensors and Python values (ints, flags, dicts) are
             shared without being named; a Python list or tuple with one entry per sample is split with the samples.
             A tensor whose dim 0 is not the batch size must be named here or be an instance key.
+        static_keys: tensor keys whose *values* the forward reads in Python (``image_sizes.tolist()``): the trace
+            gets them as nested lists, is specialised to them, and is re-captured per distinct value (cached).  When
+            the first capture fails on a data-dependent size or branch, small integer tensors of the example batch
+            (not tokens, labels or token masks) are retried this way, with a warning.
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -676,7 +745,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     compiled = CompiledPipeline(model, example_batch, pp_size, modalities=modalities,
                                 chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
-                                split_points=split_points, shared_keys=tuple(shared_keys))
+                                split_points=split_points, shared_keys=tuple(shared_keys),
+                                static_keys=tuple(static_keys))
     if compiled.check:
         check_pipeline(compiled, example_batch)
     return compiled

@@ -48,8 +48,9 @@ class Instances:
         token_key: the per-sample token key holding the placeholders.
         sub_microbatch_size: B_i, instances per sub-microbatch (default 12, the size DIP chose, PAPER.md §3.6).
         drop_when_empty: drop ``keys`` from a microbatch that has no instance (models that take ``None`` for a
-            text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor; a batch may then leave
-            the keys out.
+            text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor (or, with ``per_sample``,
+            the padding slots); a batch may then leave the keys out (per-sample keys may always be left out by a
+            batch without instances).
         owner_key: an instance key holding each instance's sample index (non-decreasing); ownership is read from
             it instead of placeholder tokens.
         row_counts: an instance key ``[N, k]`` whose per-instance product is the number of rows the instance owns

@@ -9,9 +9,11 @@ a whole dotted component of the path (``model.vision_tower.encoder`` matches ``v
 Nodes no rule claims ("glue": the image/text merge, masks, position ids, RoPE tables built outside the modules, the
 LM head, the loss) follow this documented rule:
 
-1. *consumer rule*: a glue node takes the modality of its first labelled consumer (in graph order), walking the graph
-   backwards, so values are computed by the module that consumes them - the scatter of image features into the
-   text sequence belongs to the text backbone, which keeps encoder chunks free of text work;
+1. *consumer rule*: a glue node takes the modality of its labelled consumers, walking the graph backwards, so values
+   are computed by the module that consumes them - the scatter of image features into the text sequence belongs to
+   the text backbone, which keeps encoder chunks free of text work; consumers in several modalities give it the
+   upstream one (the modality whose first module op comes first in graph order: the vision tower before the
+   language model), so a value both need (Idefics3's mask of real images) flows one way and no cycle forms;
 2. *producer rule*: glue nodes whose consumers are all unlabelled (the LM head, the loss, assertions) take the
    modality of their latest labelled input, walking forwards; rules 1 and 2 repeat until nothing changes;
 3. nodes with no labelled neighbour at all (e.g. an assertion on an input) take the modality of the next labelled
@@ -89,6 +91,7 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
         if m is not None:
             label[n] = m
     order = {n: i for i, n in enumerate(graph.nodes)}
+    first = _upstream_order(nodes, label, order)
     changed = True
     while changed:  # rules 1 and 2 until nothing changes (a glue chain may need both directions)
         changed = False
@@ -96,8 +99,8 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
             if n in label:
                 continue
             users = sorted((u for u in n.users if u in label), key=order.__getitem__)
-            if users:
-                label[n] = label[users[0]]
+            if users:  # consumers in several modalities: the upstream one (it runs first), so no cycle forms
+                label[n] = min((label[u] for u in users), key=lambda m: (first.get(m, len(order)),))
                 changed = True
         for n in nodes:  # 2. producer rule, forwards
             if n in label:
@@ -122,6 +125,35 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
     for n in nodes:
         n.meta["dipc_modality"] = label.get(n, default)
     return graph
+
+
+def _upstream_order(nodes, label, order) -> dict[str, int]:
+    """Rank of each modality in the data flow between modules (0 = feeds the others): modality A precedes B when
+    a value of A's modules reaches B's modules; without such an order, the position of its first op."""
+    import networkx as nx
+
+    reach = nx.DiGraph()
+    mods = set(label.values())
+    reach.add_nodes_from(mods)
+    for m in mods:
+        seen, stack = set(), [n for n in nodes if label.get(n) == m]
+        while stack:
+            n = stack.pop()
+            for u in n.users:
+                if u in seen:
+                    continue
+                seen.add(u)
+                if label.get(u, m) != m:
+                    reach.add_edge(m, label[u])
+                else:
+                    stack.append(u)
+    first = {}
+    for n, m in label.items():
+        first[m] = min(first.get(m, order[n]), order[n])
+    if nx.is_directed_acyclic_graph(reach):
+        ranked = list(nx.lexicographical_topological_sort(reach, key=first.__getitem__))
+        return {m: i for i, m in enumerate(ranked)}
+    return first
 
 
 def modality_summary(graph: torch.fx.Graph) -> dict[str, int]:

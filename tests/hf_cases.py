@@ -42,6 +42,36 @@ def mllama_batches():
     return _vlm_batches(hf_vlm.mllama_batch)
 
 
+def idefics3():
+    return hf_vlm.tiny_idefics3(0)
+
+
+def idefics3_batches():
+    return _vlm_batches(hf_vlm.idefics3_batch)
+
+
+def llava_next():
+    return hf_vlm.tiny_llava_next(0)
+
+
+def llava_next_batches():
+    return _vlm_batches(hf_vlm.llava_next_batch)
+
+
+def llava_next_instances():
+    """LLaVA-NeXT's placeholder tokens per image follow each image's size (``image_sizes``): the instance
+    declaration dipc asks for."""
+    import dipc
+    import torch
+    cfg = hf_vlm.tiny_llava_next_config()
+
+    def tokens(batch):
+        return torch.tensor([hf_vlm.llava_next_tokens_per_image(cfg, int(h), int(w))
+                             for h, w in batch["image_sizes"].tolist()], dtype=torch.long)
+    return [dipc.Instances("vision", ("pixel_values", "image_sizes"), cfg.image_token_id, tokens,
+                           drop_when_empty=True)]
+
+
 def llava():
     from dipc.models.hf import tiny_llava
     return tiny_llava(0)
@@ -84,6 +114,8 @@ CASES = {
     "paligemma": ("hf_cases:paligemma", "hf_cases:paligemma_batches", {}),
     "gemma3": ("hf_cases:gemma3", "hf_cases:gemma3_batches", {}),
     "mllama": ("hf_cases:mllama", "hf_cases:mllama_batches", {}),
+    "idefics3": ("hf_cases:idefics3", "hf_cases:idefics3_batches", {}),
+    "llava_next": ("hf_cases:llava_next", "hf_cases:llava_next_batches", {"instances": "hf_cases:llava_next_instances"}),
     "llava": ("hf_cases:llava", "hf_cases:llava_batches", {"sub_microbatch_size": {"vision": 1}}),
     "flux": ("hf_cases:flux", "hf_cases:flux_with_ids_batches", {"shared_keys": ["img_ids", "txt_ids"]}),
     "sd3": ("hf_cases:sd3", "hf_cases:sd3_batches", {}),

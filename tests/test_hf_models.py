@@ -13,7 +13,7 @@ import time
 import pytest
 
 from dipc.launch import spawn
-from dipc.testing import reference_check
+from dipc.testing import reference_check, resolve
 
 pytestmark = pytest.mark.hf
 
@@ -23,6 +23,8 @@ def _train_all(rank, world, names):
     out = {}
     for name in names:
         model_fn, batches_fn, kwargs = hf_cases.CASES[name]
+        if isinstance(kwargs.get("instances"), str):
+            kwargs = dict(kwargs, instances=resolve(kwargs["instances"])())
         t = time.perf_counter()
         # each rank compares every gradient with the unsplit model itself: the compile-time debug check would
         # repeat that work
