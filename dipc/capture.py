@@ -299,11 +299,16 @@ def _transform_ops(graph: torch.fx.Graph) -> list[str]:
     return out
 
 
+#: in-place ops that change no value (``torch.tensor(list)`` exports a ``detach_`` of a fresh constant)
+_METADATA_ONLY = {torch.ops.aten.detach_.default}
+
+
 def _mutating_ops(graph: torch.fx.Graph) -> list[str]:
     """Names of the graph's ops that write into one of their arguments (``aten.fill_``, ``index_put_``, ...)."""
     out = []
     for n in graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable \
+                and n.target not in _METADATA_ONLY:
             out.append(f"{n.name} ({n.target})")
     return out
 

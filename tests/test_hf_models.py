@@ -34,7 +34,8 @@ def _train_all(rank, world, names):
         rep = reference_check(rank, world, model_fn, (), batches_fn, (), compile_kwargs=dict(kwargs, check=False),
                               n_microbatches=2, check_state_dict=(name in ("paligemma", "flux")), param_atol=1e-4)
         out[name] = {"loss": rep["loss"], "grad_err": rep["grad_err"], "n_params": rep["n_params"],
-                     "seconds": time.perf_counter() - t}
+                     "seconds": time.perf_counter() - t, "compile_s": rep["compile_s"],
+                     "captures": rep["n_programs"]}
     return out
 
 
@@ -47,8 +48,35 @@ def test_hf_models_match_the_unsplit_model_on_2_ranks():
         a, b = reports[0][name], reports[1][name]
         assert a["loss"] == b["loss"], f"{name}: ranks disagree on the loss"
         assert a["n_params"] > 0 and b["n_params"] > 0, f"{name}: a rank holds no parameter"
+    _record({n: {"status": "tested", "grad_err": max(r[n]["grad_err"] for r in reports),
+                 "compile_s": round(reports[0][n]["compile_s"], 1), "captures": reports[0][n]["captures"],
+                 "seconds": round(reports[0][n]["seconds"], 1)} for n in names})
+
+
+def _record(rows):
+    """Merge ``rows`` into the JSON file named by ``DIPC_SUPPORT_TABLE`` (the README's support table is made from
+    it by ``python bench/support_table.py``)."""
     path = os.environ.get("DIPC_SUPPORT_TABLE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({n: {"status": "tested", "grad_err": max(r[n]["grad_err"] for r in reports),
-                           "seconds_rank0": reports[0][n]["seconds"]} for n in names}, f, indent=1)
+    if not path:
+        return
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    old.update(rows)
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1, sort_keys=True)
+
+
+def test_qwen2_vl_is_refused_naming_the_construct():
+    """Qwen2-VL's vision attention splits by ``image_grid_thw.tolist()`` values and its M-RoPE groups
+    ``mm_token_type_ids.tolist()`` in Python: torch.export cannot trace either with symbolic values, and a static
+    retry does not help (the grid feeds tensor ops).  The compile error names the model's line."""
+    import time as _t
+    import dipc
+    from dipc.models import hf_vlm
+
+    model = hf_vlm.tiny_qwen2_vl(0)
+    t = _t.perf_counter()
+    with pytest.raises(dipc.CaptureError, match=r"modeling_qwen2_vl\.py:\d+: `torch\.split\(tensor, lengths\.tolist\(\)"):
+        dipc.compile(model, hf_vlm.qwen2_vl_batch([2, 1, 0, 1], 40, 0), 2)
+    _record({"qwen2_vl": {"status": "refused at compile", "compile_s": round(_t.perf_counter() - t, 1),
+                          "why": "vision attention splits by image_grid_thw.tolist() (torch.split with data-dependent "
+                                 "sizes); M-RoPE groups mm_token_type_ids.tolist() in Python"}})

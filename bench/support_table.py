@@ -1,0 +1,83 @@
+"""The README's table of supported model families, generated from the tests' results.
+
+``python bench/support_table.py --run`` runs ``tests/test_hf_models.py`` with ``DIPC_SUPPORT_TABLE`` set, so the
+tests write their results (status, largest gradient difference against the unsplit model, compile seconds, captures
+made) to ``docs/hf_support.json``; then (and without ``--run``, from the existing file) it renders the table into
+README.md between the ``<!-- support-table -->`` markers and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "hf_support.json")
+
+#: test name -> (family, class, what the test exercises)
+FAMILIES = {
+    "llava": ("LLaVA", "transformers LlavaForConditionalGeneration",
+              "image count fixed at export (re-captured per count), sub-microbatches of 1 image"),
+    "llava_next": ("LLaVA-NeXT", "transformers LlavaNextForConditionalGeneration",
+                   "image_sizes read with .tolist() (static values, re-captured per value); tokens per image follow "
+                   "each image's size (declared with Instances(tokens_per_instance=fn))"),
+    "paligemma": ("PaliGemma", "transformers PaliGemmaForConditionalGeneration",
+                  "prefix/suffix token_type_ids; the model's token-count check placed at the merge"),
+    "gemma3": ("Gemma 3", "transformers Gemma3ForConditionalGeneration",
+               "vmap-built bidirectional image mask (made functional at capture); trace follows the hash seed"),
+    "idefics3": ("Idefics3 / SmolVLM", "transformers Idefics3ForConditionalGeneration",
+                 "per-sample padded images; the count of real images is a data-dependent size computed from the "
+                 "batch"),
+    "mllama": ("Mllama (Llama 3.2 Vision)", "transformers MllamaForConditionalGeneration",
+               "cross-attention to per-sample padded image tiles, gates set non-zero; in-place mask writes"),
+    "flux": ("Flux", "diffusers FluxTransformer2DModel + CLIPTextModel + T5EncoderModel",
+             "two block lists (double and single stream), img_ids/txt_ids without a batch dimension"),
+    "sd3": ("Stable Diffusion 3", "diffusers SD3Transformer2DModel + 2 CLIPTextModelWithProjection + T5EncoderModel",
+            "three text encoders, joint attention blocks"),
+    "qwen2_vl": ("Qwen2-VL", "transformers Qwen2VLForConditionalGeneration", ""),
+}
+
+
+def render(results: dict) -> str:
+    lines = ["| family | class | result on 2 ranks, 3 steps vs the unsplit model | compile s | exercises / why not |",
+             "| --- | --- | --- | --- | --- |"]
+    for key, (family, cls, what) in FAMILIES.items():
+        r = results.get(key)
+        if r is None:
+            status = "not run"
+        elif r["status"] == "tested":
+            status = f"equal (largest gradient difference {r['grad_err']:.1e}; {r['captures']} captures)"
+        else:
+            status = r["status"]
+        why = r.get("why", what) if r else what
+        lines.append(f"| {family} | {cls} | {status} | {r.get('compile_s', '') if r else ''} | {why} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", action="store_true", help="run tests/test_hf_models.py first (about 3-4 minutes)")
+    args = ap.parse_args()
+    if args.run:
+        if os.path.exists(RESULTS):
+            os.remove(RESULTS)
+        env = dict(os.environ, DIPC_SUPPORT_TABLE=RESULTS)
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_hf_models.py"], cwd=ROOT, env=env,
+                       check=True)
+    results = json.load(open(RESULTS))
+    table = render(results)
+    readme = os.path.join(ROOT, "README.md")
+    text = open(readme).read()
+    new = re.sub(r"(<!-- support-table -->\n).*?(\n<!-- /support-table -->)", lambda m: m.group(1) + table + m.group(2),
+                 text, flags=re.S)
+    if new != text:
+        with open(readme, "w") as f:
+            f.write(new)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Instances laid out as real multimodal models lay them out (issue 7 §4), in one process against the eager model:
+patch-packed rows with a grid and per-image token counts, an owner index, per-sample padded images; each with
+sub-microbatches, microbatches without images, and the errors bad layouts raise."""
+import pytest
+import torch
+
+import dipc
+from dipc.batch import BatchError
+from dipc.runtime import run_local
+
+D, TOK = 8, 63
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(D, D) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class PackedVLM(torch.nn.Module):
+    """Qwen2-VL-like: ``pixel [sum of patches, D]``, ``grid [n_images, 2]``; image ``i`` owns ``prod(grid[i])``
+    rows and as many placeholder tokens; the tower mixes each image's rows with their mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = _Stack(2)
+        self.embed = torch.nn.Embedding(64, D)
+        self.language_model = _Stack(3)
+        self.head = torch.nn.Linear(D, 64)
+
+    def forward(self, input_ids, pixel, grid, labels):
+        rows = grid.prod(-1)
+        seg = torch.repeat_interleave(torch.arange(grid.shape[0]), rows, output_size=pixel.shape[0])
+        h = self.vision_tower(pixel)
+        mean = torch.zeros(grid.shape[0], D).index_add(0, seg, h) / rows.clamp(min=1).unsqueeze(-1)
+        feats = h + mean[seg]
+        emb = self.embed(input_ids)
+        emb = emb.masked_scatter((input_ids == TOK).unsqueeze(-1), feats)
+        logits = self.head(self.language_model(emb))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+
+
+def packed_batch(grids_per_sample, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = len(grids_per_sample)
+    ids = torch.randint(0, TOK, (B, seq), generator=g)
+    grids = []
+    for b, gs in enumerate(grids_per_sample):
+        pos = 1
+        for h, w in gs:
+            ids[b, pos:pos + h * w] = TOK
+            pos += h * w + 1
+            grids.append([h, w])
+    grid = torch.tensor(grids, dtype=torch.long).reshape(-1, 2)
+    rows = int(grid.prod(-1).sum()) if grids else 0
+    labels = ids.masked_fill(ids == TOK, -100)
+    return {"input_ids": ids, "pixel": torch.randn(rows, D, generator=g), "grid": grid, "labels": labels}
+
+
+PACKED = dipc.Instances("vision", ("pixel", "grid"), token_id=TOK, tokens_per_instance=lambda b: b["grid"].prod(-1),
+                        row_counts="grid", sub_microbatch_size=1)
+
+
+def _same_as_eager(model, compiled, batch, n_mb):
+    model.zero_grad(set_to_none=True)
+    ref = model(**batch)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss, _ = run_local(compiled, batch, n_mb)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    model.zero_grad(set_to_none=True)
+
+
+def test_patch_packed_rows_with_per_image_token_counts():
+    torch.manual_seed(0)
+    model = PackedVLM()
+    ex = packed_batch([[(1, 2)], [(2, 2)], [], [(1, 3)]], 12, 0)
+    c = dipc.compile(model, ex, 2, instances=[PACKED], check=True)
+    # text-only microbatch first; 3 images of different sizes in one microbatch, cut into sub-microbatches of 1
+    b = packed_batch([[], [], [(2, 2), (1, 1)], [(1, 3)]], 14, 1)
+    mbs = c.batch_spec.split(b, 2)
+    assert [mb.instances["vision"] for mb in mbs] == [0, 3]
+    assert mbs[1].data["pixel"].shape[0] == 4 + 1 + 3 and mbs[1].subs["vision"] == [(0, 1), (1, 2), (2, 3)]
+    assert mbs[1].sub_view(PACKED, 2)["pixel"].shape[0] == 3  # all rows of the third image
+    _same_as_eager(model, c, b, 2)
+    _same_as_eager(model, c, packed_batch([[(1, 1)], [(2, 1)], [(1, 2)], []], 10, 2), 4)
+    bad = dict(b, pixel=b["pixel"][:-1])
+    with pytest.raises(BatchError, match=r"batch\['pixel'\] holds 7 vision rows but the batch has 3 instance\(s\) or "
+                                         r"the 8 rows of 'grid'"):
+        c.batch_spec.split(bad, 2)
+    odd = dict(b, input_ids=b["input_ids"].clone())
+    odd["input_ids"][2, 1] = 5  # sample 2 loses a placeholder: its images no longer end where its tokens do
+    with pytest.raises(BatchError, match=r"sample 3 of 'input_ids' ends at placeholder token 7, which is not the end "
+                                         r"of a vision instance \(instance token counts \[4, 1, 3\]\)"):
+        c.batch_spec.split(odd, 2)
+
+
+class OwnerVLM(torch.nn.Module):
+    """Images tied to samples by ``owner [n_images]``: each image's feature is added to its owner's first token."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = _Stack(2)
+        self.language_model = _Stack(3)
+
+    def forward(self, tokens, pixel, owner, target):
+        feats = self.vision_tower(pixel)
+        first = torch.zeros(tokens.shape[0], D).index_add(0, owner, feats)
+        x = torch.cat([tokens[:, :1] + first.unsqueeze(1), tokens[:, 1:]], dim=1)
+        return ((self.language_model(x) - target) ** 2).mean()
+
+
+def owner_batch(counts, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = len(counts)
+    owner = torch.tensor([b for b, k in enumerate(counts) for _ in range(k)], dtype=torch.long)
+    return {"tokens": torch.randn(B, seq, D, generator=g), "pixel": torch.randn(int(sum(counts)), D, generator=g),
+            "owner": owner, "target": torch.randn(B, seq, D, generator=g)}
+
+
+def test_owner_index_is_rebased_to_each_microbatch():
+    torch.manual_seed(0)
+    model = OwnerVLM()
+    inst = dipc.Instances("vision", ("pixel", "owner"), owner_key="owner", sub_microbatch_size=2)
+    c = dipc.compile(model, owner_batch([1, 2, 0, 1], 5, 0), 2, instances=[inst], check=True)
+    b = owner_batch([0, 0, 3, 1], 6, 1)
+    mbs = c.batch_spec.split(b, 2)
+    assert mbs[1].data["owner"].tolist() == [0, 0, 0, 1]  # samples 2 and 3 are 0 and 1 of their microbatch
+    _same_as_eager(model, c, b, 2)
+    _same_as_eager(model, c, owner_batch([2, 0, 1, 1], 4, 2), 4)
+    with pytest.raises(BatchError, match=r"batch\['owner'\] must be non-decreasing"):
+        c.batch_spec.split(dict(b, owner=torch.tensor([2, 3, 2, 2])), 2)
+    with pytest.raises(BatchError, match=r"batch\['owner'\] holds sample indices in \[2, 7\] but the batch has 4"):
+        c.batch_spec.split(dict(b, owner=torch.tensor([2, 2, 2, 7])), 2)
+
+
+class PaddedVLM(torch.nn.Module):
+    """Mllama-like per-sample padded images ``pixel [B, max_images, D]`` with ``mask [B, max_images]``; one
+    placeholder token per image; padding slots are encoded too and masked out afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = _Stack(2)
+        self.embed = torch.nn.Embedding(64, D)
+        self.language_model = _Stack(3)
+
+    def forward(self, input_ids, pixel, mask, target):
+        feats = self.vision_tower(pixel) * mask.unsqueeze(-1)
+        x = self.embed(input_ids) + feats.sum(1, keepdim=True)
+        return ((self.language_model(x) - target) ** 2).mean()
+
+
+def padded_batch(counts, seq, seed, max_images=2):
+    g = torch.Generator().manual_seed(seed)
+    B = len(counts)
+    ids = torch.randint(0, TOK, (B, seq), generator=g)
+    mask = torch.zeros(B, max_images)
+    for b, k in enumerate(counts):
+        ids[b, 1:1 + k] = TOK
+        mask[b, :k] = 1
+    return {"input_ids": ids, "pixel": torch.randn(B, max_images, D, generator=g), "mask": mask,
+            "target": torch.randn(B, seq, D, generator=g)}
+
+
+def test_per_sample_padded_images_are_cut_with_their_samples():
+    torch.manual_seed(0)
+    model = PaddedVLM()
+    inst = dipc.Instances("vision", ("pixel", "mask"), token_id=TOK, tokens_per_instance=1, per_sample=True)
+    c = dipc.compile(model, padded_batch([1, 2, 0, 1], 6, 0), 2, instances=[inst], check=True)
+    b = padded_batch([0, 0, 2, 1], 7, 1, max_images=3)  # another max image count, a microbatch without images
+    mbs = c.batch_spec.split(b, 2)
+    assert [mb.instances["vision"] for mb in mbs] == [0, 3] and mbs[0].data["pixel"].shape == (2, 3, D)
+    _same_as_eager(model, c, b, 2)
+    _same_as_eager(model, c, padded_batch([1, 1, 1, 0], 5, 2), 4)
+    with pytest.raises(BatchError, match=r"must agree in size where the model's trace ties them, but differ here: "
+                                         r"\{'input_ids.shape\[0\]': 4, 'pixel.shape\[0\]': 3"):
+        c.batch_spec.split(dict(b, pixel=b["pixel"][:3]), 2)
