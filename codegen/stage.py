@@ -156,7 +156,8 @@ def _attach_getitems(graph: torch.fx.Graph) -> None:
 
 def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple[str, str]],
                         input_keys: Mapping[str, str], loss_node: str, state: Mapping[str, torch.Tensor],
-                        n_chunks: int, build: set[int] | None = None) -> dict[int, ChunkModule]:
+                        n_chunks: int, build: set[int] | None = None,
+                        data_symbols=()) -> dict[int, ChunkModule]:
     """Generate the chunk modules of one capture whose compute nodes carry ``dipc_chunk``.
 
     Args:
@@ -168,6 +169,8 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
         n_chunks: total number of chunks of the partition.
         build: chunk indices whose GraphModule to build (others get ``gm=None`` and only their interface);
             ``None`` builds all.
+        data_symbols: data-dependent size symbols the runtime computes from the batch
+            (:mod:`dipc.passes.datasizes`); sizes in them may cross chunks.
 
     Returns:
         chunk index -> :class:`ChunkModule` for every chunk that has compute nodes in this capture.
@@ -184,6 +187,7 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
         for s in getattr(v, "shape", ()):
             if isinstance(s, torch.SymInt):
                 bound |= s.node.expr.free_symbols
+    bound |= set(data_symbols)
     compute = [n for n in graph.nodes if n.op == "call_function"]
     rg = grad_flow(graph, state_targets, state)
     by_chunk: dict[int, list[torch.fx.Node]] = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -58,7 +59,8 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
             later gradients are computed on slightly different weights, so keep checks to a few steps (3-5).
 
     Returns:
-        ``{"loss": [...], "grad_err": float, "param_err": float, "n_params": int, "timing": [...]}``.
+        ``{"loss": [...], "grad_err": float, "param_err": float, "n_params": int, "timing": [...],
+        "compile_s": seconds of dipc.compile, "n_programs": captures made by the end}``.
 
     Raises:
         AssertionError: a loss, gradient or parameter differs beyond tolerance.
@@ -69,12 +71,15 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
     torch.manual_seed(seed)
     model = resolve(model_fn)(*model_args)
     ref = copy.deepcopy(model)
+    t0 = time.perf_counter()
     compiled = dipc.compile(model, batches[0], world, **dict(compile_kwargs or {}))
+    compile_s = time.perf_counter() - t0
     pipe = compiled.runtime(n_microbatches=n_microbatches)
     opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    report = {"loss": [], "ref_loss": [], "grad_err": 0.0, "param_err": 0.0, "n_params": 0, "timing": []}
+    report = {"loss": [], "ref_loss": [], "grad_err": 0.0, "param_err": 0.0, "n_params": 0, "timing": [],
+              "compile_s": compile_s, "n_programs": 0}
     for i, batch in enumerate(batches[1:]):
         loss = pipe.step(batch)
         ref_loss = unsplit_loss(ref, batch)
@@ -102,6 +107,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
             torch.testing.assert_close(p, ref_params[name], rtol=0, atol=param_atol,
                                        msg=lambda m: f"rank {rank} step {i}: parameter {name} differs: {m}")
             report["param_err"] = max(report["param_err"], _max_err(p, ref_params[name]))
+    report["n_programs"] = len(compiled.programs)
     if check_state_dict:
         sd = pipe.full_state_dict()
         torch.manual_seed(seed + 1)
