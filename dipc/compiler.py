@@ -236,7 +236,7 @@ def _auto_loss(batch: Mapping[str, torch.Tensor]) -> LossReduction:
 
 def _rule_hit(node, rules) -> bool:
     from .passes.modality import _rule_modality
-    return _rule_modality(module_path(node), rules) is not None
+    return _rule_modality(module_path(node), rules, True) is not None
 
 
 def _check_acyclic(prog: Program, part: Partition) -> None:

@@ -2,7 +2,9 @@
 
 DIP (shared/PAPER.md §2.1) partitions each modality module (ViT, LLM, DiT, text encoder, ...) on its own; this pass
 decides which nodes belong to which module.  A node's module comes from its ``nn_module_stack`` (the module paths
-torch.export records): the deepest path that matches a rule wins.  Rules map a modality name to path components,
+torch.export records): with user rules the deepest path that matches a rule wins (the most specific); with
+:data:`DEFAULT_RULES` the outermost (generic names such as ``patch_embed`` must not pull a DiT's own layers out of
+it).  Rules map a modality name to path components,
 e.g. ``{"vision": ["vision_tower", "multi_modal_projector"], "text": ["language_model"]}``; a rule component matches
 a whole dotted component of the path (``model.vision_tower.encoder`` matches ``vision_tower``) or a dotted prefix.
 
@@ -31,10 +33,12 @@ import torch.fx
 __all__ = ["DEFAULT_RULES", "annotate_modality", "module_path", "modality_summary"]
 
 #: default rules: modality -> path components.  Order matters only for paths matching several modalities
-#: (the deepest matching path wins first, then the first rule).
+#: (with these default rules the outermost matching module wins - a DiT's ``transformer.patch_embed`` stays in
+#: the DiT, a bare ``patch_embed`` or ``img_in`` at the top is an image encoder; with user rules the deepest, most
+#: specific match wins; then the first rule).
 DEFAULT_RULES: dict[str, list[str]] = {
     "vision": ["vision_tower", "visual", "vision_model", "image_encoder", "vision_encoder", "multi_modal_projector",
-               "mm_projector"],
+               "mm_projector", "vision", "image_tower", "img_encoder", "patch_embed", "img_in"],
     "audio": ["audio_tower", "audio_encoder"],
     "text_encoder": ["text_encoder", "text_encoders", "text_encoder_2", "text_encoder_3"],
     "text": ["language_model", "llm", "text_model"],
@@ -63,8 +67,8 @@ def _match(path: str, component: str) -> bool:
     return any(parts[i:i + n] == comp for i in range(len(parts) - n + 1))
 
 
-def _rule_modality(paths: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str | None:
-    for p in reversed(paths):  # deepest first
+def _rule_modality(paths: Sequence[str], rules: Mapping[str, Sequence[str]], outermost: bool = False) -> str | None:
+    for p in (paths if outermost else reversed(paths)):
         for modality, comps in rules.items():
             if any(_match(p, c) for c in comps):
                 return modality
@@ -83,11 +87,12 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
     Returns:
         the same graph, annotated in place.
     """
+    outermost = rules is None or dict(rules) == DEFAULT_RULES
     rules = dict(DEFAULT_RULES if rules is None else rules)
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     label: dict[torch.fx.Node, str] = {}
     for n in nodes:
-        m = _rule_modality(module_path(n), rules)
+        m = _rule_modality(module_path(n), rules, outermost)
         if m is not None:
             label[n] = m
     order = {n: i for i, n in enumerate(graph.nodes)}
