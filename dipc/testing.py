@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["reference_check", "resolve", "unsplit_loss"]
+__all__ = ["reference_check", "local_check", "resolve", "unsplit_loss"]
 
 
 def resolve(path: str) -> Callable:
@@ -31,6 +31,36 @@ def unsplit_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], loss
     if isinstance(out, torch.Tensor):
         return out
     return out[loss_key]
+
+
+def local_check(model: torch.nn.Module, compiled, batch: Mapping[str, Any], n_microbatches: int = 2,
+                rtol: float = 1e-5, atol: float = 1e-6, loss_key: str = "loss") -> float:
+    """Run one step of ``compiled`` for every rank in this process (:func:`dipc.runtime.run_local`) and assert its
+    loss and every parameter gradient equal the eager ``model``'s on ``batch`` (a parameter the eager model gives
+    no gradient may get none or zeros).  Gradients are left cleared.  Returns the largest gradient difference.
+
+    Raises:
+        AssertionError: the loss or a gradient differs beyond ``rtol`` / ``atol``.
+    """
+    from .runtime import run_local
+
+    model.zero_grad(set_to_none=True)
+    ref = unsplit_loss(model, compiled.batch_spec.eager_view(batch), loss_key)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss, _ = run_local(compiled, batch, n_microbatches)
+    torch.testing.assert_close(loss, ref.detach(), rtol=rtol, atol=atol)
+    worst = 0.0
+    for n, p in model.named_parameters():
+        if n in want:
+            assert p.grad is not None, f"gradient of {n} is missing"
+            torch.testing.assert_close(p.grad, want[n], rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+            worst = max(worst, _max_err(p.grad, want[n]))
+        else:
+            assert p.grad is None or not p.grad.any(), f"gradient of {n} is unexpected"
+    model.zero_grad(set_to_none=True)
+    return worst
 
 
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dipc
-from dipc.runtime import run_local
+from dipc.testing import local_check
 
 
 class _Layer(torch.nn.Module):
@@ -54,10 +54,6 @@ def _batch(B=4, S=6, seed=0):
     return {"x": torch.randn(B, S, 8, generator=g), "y": torch.randn(B, S, 8, generator=g)}
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("kind", ["slice", "index_put", "masked_fill", "copy"])
 def test_in_place_writes_are_kept(kind):
     torch.manual_seed(0)
@@ -65,16 +61,7 @@ def test_in_place_writes_are_kept(kind):
     c = dipc.compile(model, _batch(), 2, check=True)
     assert c.program.capture.functionalized
     for seed, n_mb in ((1, 2), (2, 4)):
-        batch = _batch(4, 5 + seed, seed)
-        model.zero_grad()
-        ref = model(**batch)
-        ref.backward()
-        want = _grads(model)
-        model.zero_grad()
-        loss, _ = run_local(c, batch, n_mb)
-        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        local_check(model, c, _batch(4, 5 + seed, seed), n_mb)
 
 
 def test_check_names_the_first_parameter_a_lost_write_changes(monkeypatch):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dipc
+from dipc.testing import local_check
 from dipc.batch import BatchError
-from dipc.runtime import run_local
 
 D, TOK = 8, 63
 
@@ -66,19 +66,6 @@ PACKED = dipc.Instances("vision", ("pixel", "grid"), token_id=TOK, tokens_per_in
                         row_counts="grid", sub_microbatch_size=1)
 
 
-def _same_as_eager(model, compiled, batch, n_mb):
-    model.zero_grad(set_to_none=True)
-    ref = model(**batch)
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    loss, _ = run_local(compiled, batch, n_mb)
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-    model.zero_grad(set_to_none=True)
-
-
 def test_patch_packed_rows_with_per_image_token_counts():
     torch.manual_seed(0)
     model = PackedVLM()
@@ -90,8 +77,8 @@ def test_patch_packed_rows_with_per_image_token_counts():
     assert [mb.instances["vision"] for mb in mbs] == [0, 3]
     assert mbs[1].data["pixel"].shape[0] == 4 + 1 + 3 and mbs[1].subs["vision"] == [(0, 1), (1, 2), (2, 3)]
     assert mbs[1].sub_view(PACKED, 2)["pixel"].shape[0] == 3  # all rows of the third image
-    _same_as_eager(model, c, b, 2)
-    _same_as_eager(model, c, packed_batch([[(1, 1)], [(2, 1)], [(1, 2)], []], 10, 2), 4)
+    local_check(model, c, b, 2)
+    local_check(model, c, packed_batch([[(1, 1)], [(2, 1)], [(1, 2)], []], 10, 2), 4)
     bad = dict(b, pixel=b["pixel"][:-1])
     with pytest.raises(BatchError, match=r"batch\['pixel'\] holds 7 vision rows but the batch has 3 instance\(s\) or "
                                          r"the 8 rows of 'grid'"):
@@ -134,8 +121,8 @@ def test_owner_index_is_rebased_to_each_microbatch():
     b = owner_batch([0, 0, 3, 1], 6, 1)
     mbs = c.batch_spec.split(b, 2)
     assert mbs[1].data["owner"].tolist() == [0, 0, 0, 1]  # samples 2 and 3 are 0 and 1 of their microbatch
-    _same_as_eager(model, c, b, 2)
-    _same_as_eager(model, c, owner_batch([2, 0, 1, 1], 4, 2), 4)
+    local_check(model, c, b, 2)
+    local_check(model, c, owner_batch([2, 0, 1, 1], 4, 2), 4)
     with pytest.raises(BatchError, match=r"batch\['owner'\] must be non-decreasing"):
         c.batch_spec.split(dict(b, owner=torch.tensor([2, 3, 2, 2])), 2)
     with pytest.raises(BatchError, match=r"batch\['owner'\] holds sample indices in \[2, 7\] but the batch has 4"):
@@ -178,8 +165,8 @@ def test_per_sample_padded_images_are_cut_with_their_samples():
     b = padded_batch([0, 0, 2, 1], 7, 1, max_images=3)  # another max image count, a microbatch without images
     mbs = c.batch_spec.split(b, 2)
     assert [mb.instances["vision"] for mb in mbs] == [0, 3] and mbs[0].data["pixel"].shape == (2, 3, D)
-    _same_as_eager(model, c, b, 2)
-    _same_as_eager(model, c, padded_batch([1, 1, 1, 0], 5, 2), 4)
+    local_check(model, c, b, 2)
+    local_check(model, c, padded_batch([1, 1, 1, 0], 5, 2), 4)
     with pytest.raises(BatchError, match=r"must agree in size where the model's trace ties them, but differ here: "
                                          r"\{'input_ids.shape\[0\]': 4, 'pixel.shape\[0\]': 3"):
         c.batch_spec.split(dict(b, pixel=b["pixel"][:3]), 2)

@@ -9,24 +9,8 @@ import pytest
 import torch
 
 import dipc
+from dipc.testing import local_check
 from dipc.passes.partition import PartitionError
-from dipc.runtime import run_local
-
-
-def _same_as_eager(model, compiled, batch, n_mb=2):
-    model.zero_grad(set_to_none=True)
-    ref = model(**batch)
-    ref.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    loss, _ = run_local(compiled, batch, n_mb)
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        if n in want:
-            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
-        else:
-            assert p.grad is None or not p.grad.any(), n
-    model.zero_grad(set_to_none=True)
 
 
 class Skewed(torch.nn.Module):
@@ -77,7 +61,7 @@ def test_blocks_of_100x_different_cost_are_balanced_near_the_best_contiguous_cut
     best = min(max(sum(costs[a:b]) for a, b in zip((0,) + cut, cut + (len(costs),)))
                for cut in itertools.combinations(range(1, len(costs)), pp - 1))
     assert max(per_chunk) <= 1.25 * best, (per_chunk, best)
-    _same_as_eager(model, c, _batch(4, 7, 1))
+    local_check(model, c, _batch(4, 7, 1))
 
 
 def _lat(n):
@@ -153,7 +137,7 @@ def test_higher_order_op_subgraphs_travel_with_their_chunk():
     model = CondModel()
     c = dipc.compile(model, _batch(), 2, check=True)
     assert [n for n in c.program.capture.graph.nodes if n.op == "get_attr"]  # torch.cond's branch subgraphs
-    _same_as_eager(model, c, _batch(4, 6, 2))
+    local_check(model, c, _batch(4, 6, 2))
 
 
 class RealRows(torch.nn.Module):
@@ -188,4 +172,4 @@ def test_a_data_dependent_size_crosses_chunks_computed_from_the_batch():
     b = _batch(4, 6, 3)
     b["x"][1, 1:4] = 0
     b["x"][3, 0] = 0
-    _same_as_eager(model, c, b)
+    local_check(model, c, b)
