@@ -71,8 +71,8 @@ def main() -> None:
     table = render(results)
     readme = os.path.join(ROOT, "README.md")
     text = open(readme).read()
-    new = re.sub(r"(<!-- support-table -->\n).*?(\n<!-- /support-table -->)", lambda m: m.group(1) + table + m.group(2),
-                 text, flags=re.S)
+    new = re.sub(r"(<!-- support-table -->\n).*?(<!-- /support-table -->)",
+                 lambda m: m.group(1) + table + "\n" + m.group(2), text, flags=re.S)
     if new != text:
         with open(readme, "w") as f:
             f.write(new)

@@ -506,14 +506,18 @@ class CompiledPipeline:
             if prog.fits(data, traced):
                 return prog
         sig = signature_of(data, self.specialized)
-        changed = sorted({f"{k}.shape[{d}]" if a is not None else f"{k} (absent)"
-                          for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature) if a != b})
-        new = [c for c in changed if c not in self._warned]
-        if new:
-            self._warned.update(new)
-            warnings.warn(
-                f"dipc: the model fixes {', '.join(new)} when traced (e.g. with list(tensor)); dipc re-captures it "
-                "once per distinct value (about one torch.export each) and caches the result", stacklevel=3)
+        dims = sorted({f"{k}.shape[{d}]" for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature)
+                       if a is not None and a != b} - self._warned)
+        keys = sorted({f"without {k}" for k in self.program.capture.keys if k not in data} - self._warned)
+        if dims or keys:
+            self._warned.update(dims + keys)
+            why = []
+            if dims:
+                why.append(f"the model fixes {', '.join(dims)} when traced (e.g. with list(tensor))")
+            if keys:
+                why.append(f"a microbatch {' and '.join(keys)} (e.g. text-only) runs another graph")
+            warnings.warn(f"dipc: {'; '.join(why)}: dipc captures the model once per distinct value or key set "
+                          "(about one torch.export each, 2-20 s) and caches it", stacklevel=3)
         cap = self._capture(data)
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)

@@ -86,15 +86,17 @@ def _run(rank: int, world: int, args) -> list:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"])
+    p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"],
+                   help="the model to train (README: Main job options)")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes) when not under torchrun")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30, help="training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per step")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--save", default=None, help="write the generated chunk sources to this folder")
-    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="seconds any distributed wait may take")
     args = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         from dipc.launch import init_from_env

@@ -349,8 +349,8 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
             why = (f"pp_size={pp_size}" if m not in given else f"chunks_per_rank[{m!r}]={K[m]} with pp_size={pp_size}")
             raise PartitionError(
                 f"{why} needs {n_parts} chunks of module {m!r}, but it has only {len(mod.frontier)} candidate "
-                f"block(s) (module calls: {[c.path for c in mod.frontier][:6]}); use a smaller pp_size or "
-                "chunks_per_rank, or name finer modules")
+                f"block(s) even cut down to its innermost module calls ({[c.path for c in mod.frontier][:4]} ...); "
+                "use a smaller pp_size or chunks_per_rank")
         if m in fixed:
             starts = [0] + fixed[m] + [len(mod.frontier)]
             of, costs = mod.blocks()
@@ -371,7 +371,7 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
             cross = crossing_bytes(mod.nodes, of, len(costs))
             cuts = min_crossing_cuts(costs, cross, n_parts, best * (1 + CROSSING_SLACK)) or \
                 balanced_cuts(costs, n_parts)
-            notes[m] = f"{len(costs)} blocks between module calls"
+            notes[m] = "cut between module calls"
         crossing[m] = crossing_bytes(mod.nodes, of, len(costs))
         block_keys[m] = [c.key for c in mod.frontier] or ["(glue)"]
         block_names[m] = [c.path for c in mod.frontier] or ["(ops outside modules)"]
