@@ -38,7 +38,8 @@ class LossReduction:
 
     Attributes:
         kind: "token_mean" (mean over labelled tokens: weight = labelled tokens of the microbatch), "sample_mean"
-            (weight = samples) or "custom" (weight from ``weight_fn(microbatch) -> float``).
+            (weight = samples), "sum" (a summed loss: every microbatch weighs 1) or "custom" (weight from
+            ``weight_fn(microbatch) -> float``, normalised over the batch).
         labels_key: the labels key for "token_mean".
         ignore_index: label value that is not counted.
         shift: labels are shifted by one inside the model (next-token prediction): position 0 is never counted.
@@ -59,6 +60,8 @@ class LossReduction:
             return float((lab != self.ignore_index).sum())
         if self.kind == "sample_mean":
             return float(n_samples)
+        if self.kind == "sum":
+            return 1.0
         if self.kind == "custom" and self.weight_fn is not None:
             return float(self.weight_fn(mb))
         raise BatchError(f"unknown loss reduction {self.kind!r}")
@@ -306,7 +309,7 @@ class BatchSpec:
                     f"{self.loss.ignore_index}); their token-mean loss is undefined: use fewer microbatches or give "
                     "every sample a label")
         for mb, x in zip(mbs, nums):
-            mb.weight = x / total if total else 0.0
+            mb.weight = 1.0 if self.loss.kind == "sum" else (x / total if total else 0.0)
         return mbs
 
 

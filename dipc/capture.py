@@ -15,6 +15,7 @@ import dataclasses
 import warnings
 from typing import Any, Mapping
 
+import sympy
 import torch
 import torch.fx
 from torch.export import Dim, export
@@ -48,6 +49,7 @@ class Capture:
         value_inputs: placeholder name -> the Python value (a leaf of a non-tensor batch value) it was traced with;
             these placeholders have no users (the trace is specialised to the value).
         values: the batch's Python values (:func:`python_values`): a batch with other values needs another trace.
+        ranges: symbol -> (lowest, highest or None) size the trace is valid for (torch.export's range constraints).
     """
 
     graph_module: torch.fx.GraphModule
@@ -61,6 +63,7 @@ class Capture:
     functionalized: bool = False
     value_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     values: tuple = ()
+    ranges: dict = dataclasses.field(default_factory=dict)
 
     def fits(self, data: Mapping[str, Any]) -> bool:
         """True when ``data`` (a batch, microbatch or sub-microbatch) has this trace's keys and, in every dim
@@ -144,15 +147,21 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     for k, v in batch.items():  # Python values (lists, flags) are constants of the trace
         if not isinstance(v, torch.Tensor):
             export_dyn[k] = pytree.tree_map(lambda _: None, v)
-    with warnings.catch_warnings(), _checkpoints_traced_through():
+    with warnings.catch_warnings(), _checkpoints_traced_through(), _named_kwargs(model, batch):
         warnings.simplefilter("ignore")
         try:
             ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
         except Exception as e:
             shapes = {k: list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in batch.items()}
+            hint = ("; the model returns a KV cache: set model.config.use_cache = False for training"
+                    if "Cache" in str(e) and "pytree" in str(e) else "")
             raise CaptureError(f"torch.export could not trace {type(model).__name__}(**batch) with batch shapes "
                                f"{shapes}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                               f"{_model_frame(e)}") from e
+                               f"{_model_frame(e)}{hint}") from e
+    if any(n.op == "call_function" and "wrap_with_autocast" in str(n.target) for n in ep.graph.nodes):
+        raise CaptureError(f"{type(model).__name__}'s forward runs a torch.autocast region: torch.export traces it as "
+                           "one opaque subgraph with no module structure inside, so dipc cannot cut it into chunks; "
+                           "remove torch.autocast from the forward (or cast the model to bf16 as a whole)")
     functionalized = False
     if _mutating_ops(ep.graph) or _transform_ops(ep.graph):
         # an in-place write into a view (``mask[:, -2:] = 0``, ``index_put_``, ``copy_`` into a slice) has no users
@@ -176,9 +185,15 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
             if n.op == "call_function" and n.target in (torch.ops.aten.view.default,
                                                         torch.ops.aten._unsafe_view.default):
                 n.target = torch.ops.aten.reshape.default
+            elif n.op == "call_function" and n.target is torch.ops.aten.copy.default:
+                _differentiable_copy(ep.graph, n)
         ep.graph_module.recompile()
     gm = ep.graph_module
     loss_name = _loss_output(ep, loss_key)
+    loss_val = next(n for n in gm.graph.nodes if n.name == loss_name).meta.get("val")
+    if isinstance(loss_val, torch.Tensor) and loss_val.dim() != 0:
+        raise CaptureError(f"the loss of {type(model).__name__} has shape {list(loss_val.shape)}; dipc trains a model "
+                           "whose forward returns the scalar batch loss (reduce it, e.g. .mean(), in the forward)")
 
     state_targets: dict[str, tuple[str, str]] = {}
     input_keys: dict[str, str] = {}
@@ -234,12 +249,53 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     return Capture(graph_module=gm, state_targets=state_targets, input_keys=input_keys, loss_node=loss_name,
                    specialized=specialized, signature=signature, constants=dict(ep.constants),
                    keys=frozenset(batch), functionalized=functionalized, value_inputs=value_inputs,
-                   values=python_values(batch))
+                   values=python_values(batch), ranges=_ranges(ep))
+
+
+def _ranges(ep) -> dict:
+    """symbol -> (lowest, highest or None) value the trace is valid for (torch.export's range constraints: a
+    forward that branches on ``seq > 8`` is valid only on one side)."""
+    def finite(x):
+        try:
+            return int(x) if bool(getattr(x, "is_finite", True)) and bool(sympy.sympify(x).is_finite) else None
+        except (TypeError, ValueError, AttributeError, OverflowError, sympy.SympifyError):
+            return None
+
+    return {sym: (finite(vr.lower), finite(vr.upper)) for sym, vr in ep.range_constraints.items()}
 
 
 def python_values(batch: Mapping[str, Any]) -> tuple:
     """The batch's Python (non-tensor) values in a hashable form: the trace is specialised to them."""
     return tuple(sorted((k, repr(v)) for k, v in batch.items() if not isinstance(v, torch.Tensor)))
+
+
+@contextlib.contextmanager
+def _named_kwargs(model: torch.nn.Module, batch: Mapping[str, Any]):
+    """While tracing, give the model a forward whose signature names every batch key: torch.export matches
+    ``dynamic_shapes`` to the forward's parameters and cannot match keys that land in ``**kwargs`` (Hugging Face's
+    ``num_items_in_batch``, custom ``forward(input_ids, labels, **kwargs)``; pytorch/pytorch#150022)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)}
+    if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()) or set(batch) <= named:
+        yield
+        return
+    bound = model.forward
+
+    def forward(**kwargs):
+        return bound(**kwargs)
+
+    forward.__signature__ = inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in batch])
+    model.forward = forward
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def _model_frame(e: BaseException) -> str:
@@ -287,6 +343,29 @@ def _checkpoints_traced_through():
             fn.apply = original
         else:
             del fn.apply
+
+
+def _differentiable_copy(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """Functionalization turns ``dst.copy_(src)`` (``h[:, 0] = h[:, 0] * 2``) into ``aten.copy(dst, src)``, which
+    has no derivative: the same value is ``src`` cast to ``dst``'s dtype and broadcast to its shape."""
+    dst, src = node.args[0], node.args[1]
+    val = dst.meta["val"]
+    with graph.inserting_before(node):
+        cast = graph.call_function(torch.ops.aten._to_copy.default, (src,), {"dtype": val.dtype})
+        sizes = [graph.call_function(torch.ops.aten.sym_size.int, (dst, d)) if isinstance(s, torch.SymInt) else int(s)
+                 for d, s in enumerate(val.shape)]
+        out = graph.call_function(torch.ops.aten.expand.default, (cast, sizes))
+        out = graph.call_function(torch.ops.aten.clone.default, (out,))
+    for new in (cast, out):
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    cast.meta["val"] = src.meta["val"].to(val.dtype) if isinstance(src.meta.get("val"), torch.Tensor) else None
+    out.meta["val"] = node.meta["val"]
+    for s_ in sizes:
+        if isinstance(s_, torch.fx.Node):
+            s_.meta.update({k: v for k, v in node.meta.items() if k == "nn_module_stack"})
+            s_.meta["val"] = val.shape[s_.args[1]]
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
 
 
 def _transform_ops(graph: torch.fx.Graph) -> list[str]:

@@ -27,6 +27,7 @@ from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.checks import place_checks
 from .passes.datasizes import SizeProgram, size_program
+from .passes.lossform import loss_form
 from .passes.partition import Partition, PartitionError, apply_partition, partition
 from .passes.symcost import annotate_symbolic_cost, compile_costs
 from .codegen.stage import ChunkModule, build_chunk_modules
@@ -80,7 +81,14 @@ class Program:
         assertions on data-dependent sizes hold."""
         if not self.capture.fits(data if traced is None else traced):
             return False
-        return self.sizes is None or not self.sizes.guards or self.sizes.holds(self.bind(data))
+        bind = self.bind(data)
+        for sym, (lo, hi) in self.capture.ranges.items():  # the trace's range constraints (a branch on a size)
+            v = bind.get(sym)
+            # a lower bound of 2 is torch.export's 0/1 convention for every dynamic dim, not the model's: sizes 0
+            # and 1 (an image-free or one-image sub-microbatch) run the same graph, as they always did here
+            if v is not None and ((lo is not None and lo > 2 and v < lo) or (hi is not None and v > hi)):
+                return False
+        return self.sizes is None or not self.sizes.guards or self.sizes.holds(bind)
 
 
 _TRANSPARENT = {"view", "reshape", "_unsafe_view", "slice", "contiguous", "clone", "to", "_to_copy", "alias",
@@ -227,11 +235,40 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                       tokens_per_instance=int(tpi), sub_microbatch_size=b, drop_when_empty=hf)]
 
 
-def _auto_loss(batch: Mapping[str, torch.Tensor]) -> LossReduction:
-    lab = batch.get("labels")
-    if lab is not None and not lab.dtype.is_floating_point:
-        return LossReduction("token_mean", labels_key="labels")
-    return LossReduction("sample_mean")
+def _carries_grad(node) -> bool:
+    """Whether a gradient can flow back through ``node`` to its inputs: not through ``.detach()``, a
+    ``torch.no_grad()`` region (``wrap_with_set_grad_enabled(False, ...)``) or an integer/bool value.  Read from
+    the graph's structure: functionalized captures record no ``requires_grad`` in their values."""
+    import operator
+
+    target = node.target
+    if node.op != "call_function":
+        return True
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return _carries_grad(node.args[0])
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "") or getattr(target, "__name__", "")
+    if name in ("detach", "_detach") or (name == "wrap_with_set_grad_enabled" and node.args and
+                                         node.args[0] is False):
+        return False
+    v = node.meta.get("val")
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    tensors = [x for x in vals if isinstance(x, torch.Tensor)]
+    return not tensors or any(x.dtype.is_floating_point or x.dtype.is_complex for x in tensors)
+
+
+def _loss_from_form(loss: LossReduction | str | None, form) -> LossReduction:
+    """The batch reduction: the user's, completed from the graph's :class:`dipc.passes.lossform.LossForm` (target
+    key, ignore index, shift), or the form itself."""
+    if isinstance(loss, LossReduction):
+        return loss
+    kind = loss or form.kind
+    if kind == "token_mean":
+        if form.kind != "token_mean":
+            raise BatchError(f"loss='token_mean' but the model's loss is not a mean cross-entropy over a batch key "
+                             f"({form.note}); pass dipc.LossReduction('token_mean', labels_key=..., shift=...)")
+        return LossReduction("token_mean", labels_key=form.labels_key, ignore_index=form.ignore_index,
+                             shift=form.shift)
+    return LossReduction(kind)
 
 
 def _rule_hit(node, rules) -> bool:
@@ -296,6 +333,10 @@ class CompiledPipeline:
         cap = self._capture(example_batch, first=True)
         if self.check:
             check_capture(model, cap, example_batch, loss_key=loss_key)
+        self.loss_form = loss_form(cap.graph, cap.loss_node, cap.input_keys)
+        if loss is None and self.loss_form.uncertain:
+            warnings.warn(f"dipc: {type(model).__name__}: {self.loss_form.note}", stacklevel=3)
+        loss = _loss_from_form(loss, self.loss_form)
         self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss, variable,
                                                              index_ranges(cap), shared=shared_keys,
                                                              tied=_tied_dims(cap))
@@ -397,6 +438,8 @@ class CompiledPipeline:
         order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
         for m in boundary:
             boundary[m].sort(key=order.__getitem__)
+        # parameters the loss reaches through values that carry a gradient (not through .detach() or no_grad):
+        # autograd gives those a gradient in the unsplit model, zero or not, and the others none
         loss_params, stack, seen = set(), [next(n for n in cap.graph.nodes if n.name == cap.loss_node)], set()
         while stack:
             n = stack.pop()
@@ -405,7 +448,8 @@ class CompiledPipeline:
             seen.add(n)
             if n.op == "placeholder" and cap.state_targets.get(n.name, ("",))[0] == "parameter":
                 loss_params.add(cap.state_targets[n.name][1])
-            stack.extend(n.all_input_nodes)
+            if n.op == "placeholder" or _carries_grad(n):
+                stack.extend(n.all_input_nodes)
         prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
                        sizes=sizes)
         if self.device is not None:
@@ -586,7 +630,10 @@ class CompiledPipeline:
         device profile each chunk's forward + backward milliseconds on it (at B_i instances for instance modalities,
         the example batch's sizes otherwise), which the partition balanced."""
         part = self.partition
-        lines = [f"dipc pipeline: P={self.pp_size}, modalities {part.modalities}"]
+        lr = self.batch_spec.loss
+        lines = [f"dipc pipeline: P={self.pp_size}, modalities {part.modalities}",
+                 f"  loss: {lr.kind}" + (f" over {lr.labels_key!r} (shift {lr.shift}, ignore {lr.ignore_index})"
+                                        if lr.kind == "token_mean" else "") + f" - {self.loss_form.note}"]
         for m in part.modalities:
             inst = next((i for i in self.batch_spec.instances if i.modality == m), None)
             b = f", B_i={inst.sub_microbatch_size} {m} instance(s) per sub-microbatch" if inst else ""
@@ -684,8 +731,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             sweep, PAPER.md §3.6).  With ``device``, K_i's rule uses each module's latency at B_i.
         instances: how instances (images) appear in batches; default detected from ``model.config``
             (``image_token_id``/``image_token_index``, ``tokens_per_image`` or the vision config's patch grid).
-        loss: "token_mean", "sample_mean" or a :class:`dipc.batch.LossReduction` (default: token-mean when the
-            batch has integer ``labels``, else sample-mean).
+        loss: "token_mean", "sample_mean", "sum" or a :class:`dipc.batch.LossReduction` (default: read from the
+            graph by :mod:`dipc.passes.lossform`: a mean cross-entropy is a token-mean over its targets' key, with
+            its ignore index and shift; a summed one "sum"; anything else a mean over samples).
         dynamic: per key ``{dim: Dim | None}`` overriding the dynamic dims (``None`` fixes a dim).
         loss_key: key of the loss in a mapping output.
         device: a :class:`dipc.device.DeviceProfile` or a profile name ("h100", "cpu" after
@@ -739,10 +787,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     for i in instances:
         if i.sub_microbatch_size < 1:
             raise ValueError(f"sub_microbatch_size for {i.modality!r} must be >= 1, got {i.sub_microbatch_size}")
-    if loss is None:
-        loss = _auto_loss(example_batch)
-    elif isinstance(loss, str):
-        loss = LossReduction(loss)
+    if isinstance(loss, str) and loss not in ("token_mean", "sample_mean", "sum"):
+        raise ValueError(f"loss must be 'token_mean', 'sample_mean', 'sum' or a dipc.LossReduction, got {loss!r}")
     if isinstance(device, str):
         from .device import DeviceProfile
         device = DeviceProfile.load(device)

@@ -211,13 +211,20 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
 
 
 def workload_digest(w: StepWorkload) -> str:
-    """SHA-256 of a step's stage graph: every edge with the names, shapes and dtypes of the tensors it carries.
-    Ranks that traced the model alike agree on it."""
+    """SHA-256 of a step: every edge of its stage graph with the names, shapes and dtypes of the tensors it
+    carries, and a position-weighted sum of each microbatch's integer tensors.  Ranks that traced the model alike
+    and were given the same batch agree on it."""
     import hashlib
 
     h = hashlib.sha256()
     for e in sorted(w.graph.edges, key=lambda e: (e.src, e.dst)):
         h.update(f"{e.src}>{e.dst}:{[(t.name, t.shape, t.dtype) for t in e.tensors]};".encode())
+    for mb in w.microbatches:  # and the batch: integer tensors (tokens, labels) by a position-weighted sum
+        for k in sorted(mb.data):
+            v = mb.data[k]
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel():
+                flat = v.reshape(-1).long().cpu()
+                h.update(f"{k}:{int((flat * (torch.arange(flat.numel()) % 7919 + 1)).sum())};".encode())
     return h.hexdigest()
 
 
@@ -680,12 +687,15 @@ class PipelineRuntime:
         work = dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         work.wait(self.transport.timeout)
         if int(same.item()) == 0:  # every rank raises, before any activation moves
+            who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
+                   "another rank's digest differs from this one's")
             raise PlanError(
-                f"ranks traced the model into different values (rank {self.rank}: stage graph digest {mine[:12]}, "
-                f"rank 0: {theirs[:12]}): the model's forward depends on the process, e.g. it iterates a Python set of strings "
-                "(Hugging Face Gemma3: set(config.layer_types)), whose order follows hash randomisation. Start every "
-                "rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: PYTHONHASHSEED=0 "
-                "torchrun ...)")
+                f"step {self.step_index}: the ranks disagree on the step ({who}; the digest covers the stage graph "
+                "and the batch's integer tensors). Either they were given different batches (every rank of a "
+                "pipeline must get the same batch), or they traced the model differently: a forward that iterates "
+                "a Python set of strings (Hugging Face Gemma3: set(config.layer_types)) follows the hash seed, so "
+                "start every rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: "
+                "PYTHONHASHSEED=0 torchrun ...)")
         return w, plan
 
     def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None) -> torch.Tensor:

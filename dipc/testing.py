@@ -27,10 +27,8 @@ def resolve(path: str) -> Callable:
 
 def unsplit_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], loss_key: str = "loss") -> torch.Tensor:
     """The loss of the whole model on ``batch`` (accepts a tensor or a mapping/ModelOutput output)."""
-    out = model(**batch)
-    if isinstance(out, torch.Tensor):
-        return out
-    return out[loss_key]
+    from .check import loss_of
+    return loss_of(model(**batch), loss_key)
 
 
 def local_check(model: torch.nn.Module, compiled, batch: Mapping[str, Any], n_microbatches: int = 2,

@@ -304,6 +304,9 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
     else:
         cost_of = lambda n: node_latency(n.meta.get("dipc_cost", ZERO))  # noqa: E731
     given = dict(chunks_per_rank or {})
+    for m, p in (split_points or {}).items():
+        if isinstance(p, str) or not all(isinstance(x, str) for x in p):
+            raise PartitionError(f"split_points[{m!r}] must be a list of module paths, got {p!r}")
     points = {m: list(p) for m, p in (split_points or {}).items()}
     for m in list(given) + list(points):
         if m not in modalities:
@@ -345,7 +348,7 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
         # (2) enough blocks for the chunks
         while len(mod.frontier) < n_parts and mod.expand_largest():
             pass
-        if len(mod.frontier) < n_parts:
+        if max(len(mod.frontier), 1) < n_parts:
             why = (f"pp_size={pp_size}" if m not in given else f"chunks_per_rank[{m!r}]={K[m]} with pp_size={pp_size}")
             raise PartitionError(
                 f"{why} needs {n_parts} chunks of module {m!r}, but it has only {len(mod.frontier)} candidate "

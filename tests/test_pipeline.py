@@ -82,6 +82,13 @@ def _bad_batches(rank, world):
             pipe.step(bad)
         except dipc.BatchError as e:
             messages.append(str(e))
+    other = dict(good, input_ids=good["input_ids"].clone())  # same shapes, other tokens on rank 1
+    if rank == 1:
+        other["input_ids"][0, -1] = (other["input_ids"][0, -1] + 1) % 120 + 3
+    try:
+        pipe.step(other)
+    except dipc.PlanError as e:
+        messages.append(str(e))
     assert all(p.grad is None for p in pipe.parameters()), "a rejected batch left gradients behind"
     assert pipe.step_index == 0
     loss = pipe.step(good)  # the group is still usable: nothing was sent for the rejected batches
@@ -94,11 +101,14 @@ def _bad_batches(rank, world):
 
 @pytest.mark.timeout(120)
 def test_bad_batch_raises_on_every_rank_before_communication():
+    """Invalid batches, and ranks given different batches of one shape, raise on every rank before any activation
+    moves; the group then trains the next good batch."""
     msgs = spawn(_bad_batches, 2, timeout=100)
     for m in msgs:
-        assert len(m) == 2
+        assert len(m) == 3
         assert "batch['pixel_values'] holds 1 vision instance(s) but 'input_ids' has 12 placeholder tokens" in m[0]
         assert "missing key(s) ['labels']" in m[1]
+        assert "step 0: the ranks disagree on the step" in m[2] and "different batches" in m[2]
 
 
 def _dp_pp_accumulate(rank, world):
