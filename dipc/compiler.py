@@ -16,7 +16,6 @@ import os
 import warnings
 from typing import Any, Mapping, Sequence
 
-import sympy
 import torch
 import torch.fx
 
@@ -26,276 +25,21 @@ from .check import check_capture, check_pipeline, is_meta
 from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.checks import place_checks
-from .passes.datasizes import SizeProgram, size_program
+from .passes.datasizes import size_program
 from .passes.lossform import loss_form
-from .passes.partition import Partition, PartitionError, apply_partition, partition
+from .passes.partition import Partition, apply_partition, partition
+from .program import Program, _bindings, _carries_grad, _check_acyclic, _data_dependent, _tied_dims, index_ranges
+from .families import _auto_instances, _loss_from_form
 from .passes.symcost import annotate_symbolic_cost, compile_costs
-from .codegen.stage import ChunkModule, build_chunk_modules
+from .codegen.stage import build_chunk_modules
 from .codegen.source import chunk_source
 
 __all__ = ["compile", "CompiledPipeline", "Program"]
 
 
-@dataclasses.dataclass
-class Program:
-    """One capture of the model and its chunk modules.
-
-    Attributes:
-        capture: the torch.export capture.
-        chunks: chunk index -> :class:`dipc.codegen.stage.ChunkModule` (chunks with no node here are absent).
-        bindings: (symbol, batch key, dim) triples: how to read each input-size symbol off a batch.
-        boundary: modality -> names of the values its chunks hand to other modalities' chunks, in graph order.
-        loss_params: fully qualified names of the parameters the loss depends on (autograd gives them a gradient,
-            zero or not, in the unsplit model).
-    """
-
-    capture: Capture
-    chunks: dict[int, ChunkModule]
-    bindings: list[tuple[sympy.Symbol, str, int]]
-    boundary: dict[str, list[str]]
-    loss_params: set[str] = dataclasses.field(default_factory=set)
-    chunk_costs: dict = dataclasses.field(default_factory=dict)
-    sizes: SizeProgram | None = None
-
-    def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
-        """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device
-        profile, ``activation_bytes``, FLOPs, bytes), or ``None`` without a device profile.  Memoised per shape
-        (DIP's subgraph reuse)."""
-        cc = self.chunk_costs.get(chunk)
-        return None if cc is None else cc(bindings)
-
-    def bind(self, data: Mapping[str, torch.Tensor]) -> dict[sympy.Symbol, int]:
-        """Values of the input-size symbols for ``data`` (a microbatch or a sub-microbatch view), and of the sizes
-        that depend on its values (:mod:`dipc.passes.datasizes`, e.g. Idefics3's count of real images)."""
-        out = {}
-        for sym, key, dim in self.bindings:
-            if key in data:
-                out[sym] = int(data[key].shape[dim])
-        if self.sizes is not None:
-            out.update(self.sizes(data))
-        return out
-
-    def fits(self, data: Mapping[str, torch.Tensor], traced: Mapping | None = None) -> bool:
-        """True when this program's graph is valid for ``data``: same keys, static dims and static values as its
-        capture (:meth:`dipc.capture.Capture.fits`, on ``traced``: ``data`` as the trace saw it), and the trace's
-        assertions on data-dependent sizes hold."""
-        if not self.capture.fits(data if traced is None else traced):
-            return False
-        bind = self.bind(data)
-        for sym, (lo, hi) in self.capture.ranges.items():  # the trace's range constraints (a branch on a size)
-            v = bind.get(sym)
-            # a lower bound of 2 is torch.export's 0/1 convention for every dynamic dim, not the model's: sizes 0
-            # and 1 (an image-free or one-image sub-microbatch) run the same graph, as they always did here
-            if v is not None and ((lo is not None and lo > 2 and v < lo) or (hi is not None and v > hi)):
-                return False
-        return self.sizes is None or not self.sizes.guards or self.sizes.holds(bind)
-
-
-_TRANSPARENT = {"view", "reshape", "_unsafe_view", "slice", "contiguous", "clone", "to", "_to_copy", "alias",
-                "unsqueeze", "squeeze", "flatten", "expand", "permute", "transpose", "select", "roll",
-                "constant_pad_nd", "pad", "lift_fresh_copy", "detach"}
-
-
-def _source_key(node, cap: Capture) -> str | None:
-    """The batch key whose values reach ``node`` unchanged (through views, slices, casts, pads), if any."""
-    for _ in range(32):
-        if not isinstance(node, torch.fx.Node):
-            return None
-        if node.op == "placeholder":
-            return cap.input_keys.get(node.name)
-        name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-        if name not in _TRANSPARENT or not node.args:
-            return None
-        node = node.args[0]
-    return None
-
-
-def _static(x):
-    if isinstance(x, torch.SymInt) and x.node.expr.is_number:
-        return int(x.node.expr)
-    return x
-
-
-def index_ranges(cap: Capture) -> list[tuple[str, int, int, int | None, str]]:
-    """Value ranges the model needs of integer batch keys: embedding indices < vocabulary size, cross-entropy
-    targets < number of classes (or the ignore index).  Checked on every rank before any communication."""
-    out = []
-    for n in cap.graph.nodes:
-        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "") if n.op == "call_function" else ""
-        try:
-            if name == "embedding":
-                key = _source_key(n.args[1], cap)
-                vocab = _static(n.args[0].meta["val"].shape[0])
-                if key and isinstance(vocab, int):
-                    out.append((key, 0, vocab, None, f"embedding {n.name} (vocabulary {vocab})"))
-            elif name in ("cross_entropy_loss", "nll_loss", "nll_loss_nd", "nll_loss_forward"):
-                key = _source_key(n.args[1], cap)
-                logits = n.args[0].meta["val"]
-                classes = _static(logits.shape[1] if logits.dim() > 1 else logits.shape[0])
-                ignore = n.args[4] if len(n.args) > 4 else n.kwargs.get("ignore_index", -100)
-                if key and isinstance(classes, int) and isinstance(ignore, int):
-                    out.append((key, 0, classes, ignore, f"the loss {n.name} ({classes} classes)"))
-        except (AttributeError, IndexError, KeyError, TypeError):
-            continue
-    return out
-
-
-def _bindings(cap: Capture) -> list[tuple[sympy.Symbol, str, int]]:
-    """(symbol, batch key, dim) for every input size that is a bare symbol in the capture."""
-    out = []
-    ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
-    for name, key in cap.input_keys.items():
-        v = ph[name].meta.get("val")
-        for d, s in enumerate(getattr(v, "shape", ())):
-            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
-                out.append((s.node.expr, key, d))
-    return out
-
-
-def _data_dependent(e: BaseException) -> bool:
-    """True when a capture failed on a size or branch that depends on the batch's values."""
-    text = f"{e} {e.__cause__}"
-    return any(w in text for w in ("data-dependent", "DataDependent", "GuardOnDataDependent", "control flow",
-                                   "unbacked"))
-
-
-def _tied_dims(cap: Capture) -> list[list[tuple[str, int]]]:
-    """Groups of ``(batch key, dim)`` that are one symbol in the capture (e.g. the sequence length of
-    ``input_ids`` and ``labels``)."""
-    groups: dict = {}
-    for sym, key, dim in _bindings(cap):
-        groups.setdefault(sym, []).append((key, dim))
-    return [g for g in groups.values() if len(g) > 1]
-
-
-def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
-                    sub_size: Mapping[str, int] | None) -> list[Instances]:
-    """Instances of a Hugging Face vision-language model, from its config and its processor's conventions:
-
-    * LLaVA / PaliGemma / Gemma3: ``pixel_values [N, 3, H, W]`` tied by ``image_token_id``, tokens per image
-      ``mm_tokens_per_image`` (Gemma3), ``text_config.num_image_tokens`` (PaliGemma), ``tokens_per_image``, else
-      the vision tower's patch grid (``+1`` with the "full" feature strategy);
-    * Idefics3 / SmolVLM: per-sample padded ``pixel_values [B, max_images, 3, H, W]`` (+ ``pixel_attention_mask``),
-      ``(image_size / patch)^2 / scale_factor^2`` tokens per image (it drops padding images itself, so a
-      microbatch without images passes none);
-    * Mllama: per-sample padded ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``,
-      ``cross_attention_mask``, one ``<|image|>`` token per image (the text cross-attends to the images, padding
-      slots included, so a microbatch without images keeps its keys);
-    * Qwen2-VL / Qwen2.5-VL: patch-packed ``pixel_values [patches, C*T*P*P]`` with ``image_grid_thw [N, 3]``,
-      ``prod(grid) / spatial_merge_size^2`` tokens per image.
-
-    Returns ``[]`` for other models (no instances: images, if any, are cut with their samples).
-
-    Raises:
-        BatchError: LLaVA-NeXT-style models, whose tokens per image depend on each image's size: the error asks
-            for ``instances=[dipc.Instances(..., tokens_per_instance=fn)]``.
-    """
-    cfg = getattr(model, "config", None)
-    if cfg is None or "pixel_values" not in batch:
-        return []
-    kind = getattr(cfg, "model_type", "")
-    token_id = getattr(cfg, "image_token_id", None)
-    if token_id is None:
-        token_id = getattr(cfg, "image_token_index", None)
-    vc = getattr(cfg, "vision_config", None)
-    b = int((sub_size or {}).get("vision", Instances.sub_microbatch_size))
-    if token_id is None:
-        return []
-    present = lambda *keys: tuple(k for k in keys if k in batch)  # noqa: E731
-    if kind in ("mllama",):
-        return [Instances("vision", present("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
-                                            "cross_attention_mask"),
-                          int(token_id), 1, per_sample=True, sub_microbatch_size=b)]
-    if kind in ("idefics3", "smolvlm", "idefics2") and vc is not None:
-        scale = int(getattr(cfg, "scale_factor", 1) or 1)
-        tpi = (vc.image_size // vc.patch_size) ** 2 // (scale * scale)
-        return [Instances("vision", present("pixel_values", "pixel_attention_mask"), int(token_id), tpi,
-                          per_sample=True, drop_when_empty=True, sub_microbatch_size=b)]
-    if kind in ("qwen2_vl", "qwen2_5_vl") and vc is not None:
-        merge = int(getattr(vc, "spatial_merge_size", 2)) ** 2
-        return [Instances("vision", present("pixel_values", "image_grid_thw"), int(token_id),
-                          lambda bt, m=merge: bt["image_grid_thw"].long().prod(-1) // m, row_counts="image_grid_thw",
-                          drop_when_empty=True, sub_microbatch_size=b)]
-    if kind in ("llava_next", "llava_next_video", "llava_onevision"):
-        raise BatchError(
-            f"{type(model).__name__} gives each image a number of placeholder tokens that depends on its size "
-            "(image_sizes); declare it: instances=[dipc.Instances('vision', ('pixel_values', 'image_sizes'), "
-            f"token_id={token_id}, tokens_per_instance=lambda batch: <tokens of each image>, drop_when_empty=True)]")
-    tpi = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "tokens_per_image", None)
-    if tpi is None and getattr(cfg, "text_config", None) is not None:
-        tpi = getattr(cfg.text_config, "num_image_tokens", None)
-    if tpi is None and vc is not None and hasattr(vc, "image_size") and hasattr(vc, "patch_size"):
-        tpi = (vc.image_size // vc.patch_size) ** 2
-        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
-            tpi += 1
-    if tpi is None:
-        return []
-    hf = hasattr(cfg, "to_dict") and bool(kind)  # Hugging Face models take pixel_values=None without images
-    return [Instances(modality="vision", keys=("pixel_values",), token_id=int(token_id),
-                      tokens_per_instance=int(tpi), sub_microbatch_size=b, drop_when_empty=hf)]
-
-
-def _carries_grad(node) -> bool:
-    """Whether a gradient can flow back through ``node`` to its inputs: not through ``.detach()``, a
-    ``torch.no_grad()`` region (``wrap_with_set_grad_enabled(False, ...)``) or an integer/bool value.  Read from
-    the graph's structure: functionalized captures record no ``requires_grad`` in their values."""
-    import operator
-
-    target = node.target
-    if node.op != "call_function":
-        return True
-    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        return _carries_grad(node.args[0])
-    name = getattr(getattr(target, "overloadpacket", None), "__name__", "") or getattr(target, "__name__", "")
-    if name in ("detach", "_detach") or (name == "wrap_with_set_grad_enabled" and node.args and
-                                         node.args[0] is False):
-        return False
-    v = node.meta.get("val")
-    vals = v if isinstance(v, (list, tuple)) else [v]
-    tensors = [x for x in vals if isinstance(x, torch.Tensor)]
-    return not tensors or any(x.dtype.is_floating_point or x.dtype.is_complex for x in tensors)
-
-
-def _loss_from_form(loss: LossReduction | str | None, form) -> LossReduction:
-    """The batch reduction: the user's, completed from the graph's :class:`dipc.passes.lossform.LossForm` (target
-    key, ignore index, shift), or the form itself."""
-    if isinstance(loss, LossReduction):
-        return loss
-    kind = loss or form.kind
-    if kind == "token_mean":
-        if form.kind != "token_mean":
-            raise BatchError(f"loss='token_mean' but the model's loss is not a mean cross-entropy over a batch key "
-                             f"({form.note}); pass dipc.LossReduction('token_mean', labels_key=..., shift=...)")
-        return LossReduction("token_mean", labels_key=form.labels_key, ignore_index=form.ignore_index,
-                             shift=form.shift)
-    return LossReduction(kind)
-
-
 def _rule_hit(node, rules) -> bool:
     from .passes.modality import _rule_modality
     return _rule_modality(module_path(node), rules, True) is not None
-
-
-def _check_acyclic(prog: Program, part: Partition) -> None:
-    """The chunks of all modalities must form a DAG (a ``modalities=`` override can make two modules feed each
-    other); the error names the values on a cycle."""
-    import networkx as nx
-
-    g = nx.DiGraph()
-    for c, cm in prog.chunks.items():
-        g.add_node(c)
-        for i in cm.inputs:
-            if i.kind == "value" and i.src_chunk != c:
-                g.add_edge(i.src_chunk, c)
-                g.edges[i.src_chunk, c].setdefault("values", []).append(i.name)
-    try:
-        cycle = nx.find_cycle(g)
-    except nx.NetworkXNoCycle:
-        return
-    mod = {c.index: c.modality for c in part.chunks}
-    hops = [f"chunk {a} ({mod[a]}) -> chunk {b} ({mod[b]}) via {g.edges[a, b]['values'][:3]}" for a, b, *_ in cycle]
-    raise PartitionError("the chunks form a cycle, so no pipeline order exists: " + "; ".join(hops) + ". Check the "
-                         "modalities= rules: a module's glue (masks, merges) may have been given to another module")
 
 
 class CompiledPipeline:

@@ -1,0 +1,97 @@
+"""Model families: the instance layout and the loss reduction a model's config and graph imply.
+
+:func:`_auto_instances` reads Hugging Face vision-language configs by their processors' conventions (placeholder
+tokens per image, patch-packed or per-sample padded pixels); :func:`_loss_from_form` completes the user's ``loss=``
+from the reduction :mod:`dipc.passes.lossform` reads off the graph.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .batch import BatchError, Instances, LossReduction
+
+__all__ = []
+
+
+def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
+                    sub_size: Mapping[str, int] | None) -> list[Instances]:
+    """Instances of a Hugging Face vision-language model, from its config and its processor's conventions:
+
+    * LLaVA / PaliGemma / Gemma3: ``pixel_values [N, 3, H, W]`` tied by ``image_token_id``, tokens per image
+      ``mm_tokens_per_image`` (Gemma3), ``text_config.num_image_tokens`` (PaliGemma), ``tokens_per_image``, else
+      the vision tower's patch grid (``+1`` with the "full" feature strategy);
+    * Idefics3 / SmolVLM: per-sample padded ``pixel_values [B, max_images, 3, H, W]`` (+ ``pixel_attention_mask``),
+      ``(image_size / patch)^2 / scale_factor^2`` tokens per image (it drops padding images itself, so a
+      microbatch without images passes none);
+    * Mllama: per-sample padded ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``,
+      ``cross_attention_mask``, one ``<|image|>`` token per image (the text cross-attends to the images, padding
+      slots included, so a microbatch without images keeps its keys);
+    * Qwen2-VL / Qwen2.5-VL: patch-packed ``pixel_values [patches, C*T*P*P]`` with ``image_grid_thw [N, 3]``,
+      ``prod(grid) / spatial_merge_size^2`` tokens per image.
+
+    Returns ``[]`` for other models (no instances: images, if any, are cut with their samples).
+
+    Raises:
+        BatchError: LLaVA-NeXT-style models, whose tokens per image depend on each image's size: the error asks
+            for ``instances=[dipc.Instances(..., tokens_per_instance=fn)]``.
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is None or "pixel_values" not in batch:
+        return []
+    kind = getattr(cfg, "model_type", "")
+    token_id = getattr(cfg, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(cfg, "image_token_index", None)
+    vc = getattr(cfg, "vision_config", None)
+    b = int((sub_size or {}).get("vision", Instances.sub_microbatch_size))
+    if token_id is None:
+        return []
+    present = lambda *keys: tuple(k for k in keys if k in batch)  # noqa: E731
+    if kind in ("mllama",):
+        return [Instances("vision", present("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask",
+                                            "cross_attention_mask"),
+                          int(token_id), 1, per_sample=True, sub_microbatch_size=b)]
+    if kind in ("idefics3", "smolvlm", "idefics2") and vc is not None:
+        scale = int(getattr(cfg, "scale_factor", 1) or 1)
+        tpi = (vc.image_size // vc.patch_size) ** 2 // (scale * scale)
+        return [Instances("vision", present("pixel_values", "pixel_attention_mask"), int(token_id), tpi,
+                          per_sample=True, drop_when_empty=True, sub_microbatch_size=b)]
+    if kind in ("qwen2_vl", "qwen2_5_vl") and vc is not None:
+        merge = int(getattr(vc, "spatial_merge_size", 2)) ** 2
+        return [Instances("vision", present("pixel_values", "image_grid_thw"), int(token_id),
+                          lambda bt, m=merge: bt["image_grid_thw"].long().prod(-1) // m, row_counts="image_grid_thw",
+                          drop_when_empty=True, sub_microbatch_size=b)]
+    if kind in ("llava_next", "llava_next_video", "llava_onevision"):
+        raise BatchError(
+            f"{type(model).__name__} gives each image a number of placeholder tokens that depends on its size "
+            "(image_sizes); declare it: instances=[dipc.Instances('vision', ('pixel_values', 'image_sizes'), "
+            f"token_id={token_id}, tokens_per_instance=lambda batch: <tokens of each image>, drop_when_empty=True)]")
+    tpi = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "tokens_per_image", None)
+    if tpi is None and getattr(cfg, "text_config", None) is not None:
+        tpi = getattr(cfg.text_config, "num_image_tokens", None)
+    if tpi is None and vc is not None and hasattr(vc, "image_size") and hasattr(vc, "patch_size"):
+        tpi = (vc.image_size // vc.patch_size) ** 2
+        if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
+            tpi += 1
+    if tpi is None:
+        return []
+    hf = hasattr(cfg, "to_dict") and bool(kind)  # Hugging Face models take pixel_values=None without images
+    return [Instances(modality="vision", keys=("pixel_values",), token_id=int(token_id),
+                      tokens_per_instance=int(tpi), sub_microbatch_size=b, drop_when_empty=hf)]
+
+
+def _loss_from_form(loss: LossReduction | str | None, form) -> LossReduction:
+    """The batch reduction: the user's, completed from the graph's :class:`dipc.passes.lossform.LossForm` (target
+    key, ignore index, shift), or the form itself."""
+    if isinstance(loss, LossReduction):
+        return loss
+    kind = loss or form.kind
+    if kind == "token_mean":
+        if form.kind != "token_mean":
+            raise BatchError(f"loss='token_mean' but the model's loss is not a mean cross-entropy over a batch key "
+                             f"({form.note}); pass dipc.LossReduction('token_mean', labels_key=..., shift=...)")
+        return LossReduction("token_mean", labels_key=form.labels_key, ignore_index=form.ignore_index,
+                             shift=form.shift)
+    return LossReduction(kind)
