@@ -42,6 +42,7 @@ class Program:
     loss_params: set[str] = dataclasses.field(default_factory=set)
     chunk_costs: dict = dataclasses.field(default_factory=dict)
     sizes: SizeProgram | None = None
+    _last_sizes: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
         """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device
@@ -58,7 +59,13 @@ class Program:
             if key in data:
                 out[sym] = int(data[key].shape[dim])
         if self.sizes is not None:
-            out.update(self.sizes(data))
+            last = self._last_sizes
+            if last is not None and last[0] is data:  # every chunk of a microbatch binds the same data
+                out.update(last[1])
+            else:
+                values = self.sizes(data)
+                self._last_sizes = (data, values)
+                out.update(values)
         return out
 
     def fits(self, data: Mapping[str, torch.Tensor], traced: Mapping | None = None) -> bool:
