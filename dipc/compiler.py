@@ -437,16 +437,20 @@ class CompiledPipeline:
         written.append(path)
         return written
 
-    def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0):
+    def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0,
+                recompute: bool = False):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
             group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
             n_microbatches: microbatches per step (default ``2 * pp_size``).
             timeout: seconds any distributed wait may take before it raises.
+            recompute: every stage recomputes its forward in its backward (keeps only its inputs), until the
+                planner chooses per stage.
         """
         from .runtime import PipelineRuntime
-        return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout)
+        return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
+                               recompute=recompute)
 
 
 def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,

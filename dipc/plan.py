@@ -54,6 +54,10 @@ class TensorSpec:
         return n * getattr(torch, self.dtype).itemsize
 
 
+#: memory strategies a stage may carry (DESIGN.md "Memory")
+STRATEGIES = {"keep", "recompute"}
+
+
 def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
     """Key of a compute stage, e.g. ``F:3:1:-1`` (sub -1 = the whole microbatch)."""
     return f"{kind}:{chunk}:{mb}:{sub}"
@@ -70,8 +74,9 @@ class Action:
         peer_rank, peer_chunk, peer_sub: the other end of a send or receive.
         msg: message id (unique in a plan), for sends and receives.
         tensors: the message's tensors.
-        strategy: memory strategy of a compute action ("keep"; "recompute" and "offload" come with the memory
-            optimiser).
+        strategy: memory strategy of a stage, the same on its F and B: "keep" (the forward keeps what autograd
+            saves until the backward) or "recompute" (the forward keeps only its inputs and runs without autograd;
+            the backward runs it again, with the forward's RNG state, then back-propagates).
     """
 
     kind: str
@@ -99,7 +104,7 @@ class Action:
     def __str__(self) -> str:
         s = f".{self.sub}" if self.sub >= 0 else ""
         if self.kind in COMPUTE:
-            return f"{self.chunk}{self.kind}{self.mb}{s}"
+            return f"{self.chunk}{self.kind}{self.mb}{s}" + ("r" if self.strategy == "recompute" else "")
         ps = f".{self.peer_sub}" if self.peer_sub >= 0 else ""
         arrow = "->" if self.kind in SENDS else "<-"
         return f"{self.chunk}{self.kind}{self.mb}{s}{arrow}{self.peer_chunk}{ps}"
@@ -249,10 +254,15 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                                     "but receives nothing from it before running")
     for st, (r, i) in where.items():
         a = plan.ranks[r][i]
+        if a.strategy not in STRATEGIES:
+            raise PlanError(f"{a} on rank {r} has memory strategy {a.strategy!r}; known: {sorted(STRATEGIES)}")
         if a.kind == "B" and stage_key("F", a.chunk, a.mb, a.sub) in where:
             fr, fi = where[stage_key("F", a.chunk, a.mb, a.sub)]
             if fi >= i:
                 raise PlanError(f"on rank {r}, {a} runs before its forward")
+            if plan.ranks[fr][fi].strategy != a.strategy:
+                raise PlanError(f"{plan.ranks[fr][fi]} has memory strategy {plan.ranks[fr][fi].strategy!r} but its "
+                                f"backward {a} has {a.strategy!r}")
     return dry_run(plan)
 
 

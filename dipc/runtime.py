@@ -24,7 +24,7 @@ import datetime
 import os
 import time
 from collections import defaultdict
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from .batch import Microbatch
 from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
 from .schedule import Edge, Stage, StageGraph, list_schedule, lower
 
-__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor"]
+__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute"]
 
 _ALIGN = 64  # bytes: every tensor of a packed message starts at a multiple of this
 
@@ -65,6 +65,18 @@ def _unpack(buf: torch.Tensor, specs) -> dict[str, torch.Tensor]:
     offsets, _ = _layout(specs)
     return {spec.name: buf[off:off + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
             for off, spec in zip(offsets, specs)}
+
+
+def _rng_state(device: torch.device):
+    """The RNG state a recomputed forward must start from (CPU, and the device's on CUDA)."""
+    return (torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    cpu, dev = state
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        torch.cuda.set_rng_state(dev, device)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -210,6 +222,45 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                         empty=empty, graph=StageGraph(stages=stages, edges=edge_list))
 
 
+def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True) -> int:
+    """Give the forward-backward stage pairs ``which`` selects (a predicate on the forward :class:`Stage`, or all)
+    the "recompute" memory strategy: the forward then keeps only its inputs (their bytes become its
+    ``activation_bytes``) and the backward runs it again (its latency grows by the forward's).  Megatron's
+    ``--recompute-granularity full``, per stage.  Returns how many pairs changed."""
+    n = 0
+    for k, st in w.graph.stages.items():
+        if st.kind != "F" or st.strategy == "recompute" or not (which is True or (callable(which) and which(st))):
+            continue
+        b = w.graph.stages["B" + k[1:]]
+        kept = _input_bytes(w, k)
+        for x in (st, b):
+            x.strategy = "recompute"
+            x.activation_bytes = kept
+        b.latency += st.latency
+        n += 1
+    return n
+
+
+def _input_bytes(w: StepWorkload, fk: str) -> float:
+    """Bytes of a forward stage's inputs: the values it receives and the batch keys it reads."""
+    prog = w.programs[fk]
+    st = w.graph.stages[fk]
+    cm = prog.chunks[st.chunk]
+    total = 0.0
+    for inp in cm.inputs:
+        if inp.kind == "batch":
+            v = w.data[fk][inp.key]
+            total += v.numel() * v.element_size()
+        elif inp.kind == "value":
+            for pk, pname in w.wiring[fk][inp.name]:
+                meta = w.programs[pk].chunks[w.graph.stages[pk].chunk].output_meta[pname]
+                n = 1
+                for d in meta.concrete_shape(w.bindings[pk]):
+                    n *= d
+                total += n * meta.dtype.itemsize
+    return total
+
+
 def workload_digest(w: StepWorkload) -> str:
     """SHA-256 of a step: every edge of its stage graph with the names, shapes and dtypes of the tensors it
     carries, and a position-weighted sum of each microbatch's integer tensors.  Ranks that traced the model alike
@@ -333,6 +384,7 @@ class Executor:
         self.mods = chunk_modules  # (program id, chunk) -> GraphModule
         self.outputs: dict[str, dict[str, torch.Tensor]] = {}
         self.leaves: dict[str, dict[str, torch.Tensor]] = {}
+        self.saved: dict[str, tuple] = {}  # recompute stages: F key -> (inputs, RNG state at the forward)
         self.grads: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # F key -> output name -> grad
         self.out_grads: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (F key, producer F key) -> grads
         self.recv: dict[int, tuple[list, list]] = {}
@@ -429,8 +481,13 @@ class Executor:
                     leaves[inp.name] = t
                 kwargs[inp.name] = t
         mod = self.mods[(id(prog), a.chunk)]
-        with torch.enable_grad():
-            out = mod(**kwargs)
+        if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
+            self.saved[fk] = (kwargs, _rng_state(self.device))
+            with torch.no_grad():
+                out = mod(**kwargs)
+        else:
+            with torch.enable_grad():
+                out = mod(**kwargs)
         self.outputs[fk] = out
         self.leaves[fk] = leaves
         if cm.loss is not None:
@@ -444,6 +501,12 @@ class Executor:
         prog = self.w.programs[fk]
         cm = prog.chunks[a.chunk]
         out = self.outputs.pop(fk)
+        if a.strategy == "recompute":
+            kwargs, rng = self.saved.pop(fk)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    torch.enable_grad():
+                _set_rng_state(rng, self.device)
+                out = self.mods[(id(prog), a.chunk)](**kwargs)
         g = self.grads.pop(fk, {})
         for tensors in self.received.pop(bk, {}).values():
             for name, t in tensors.items():
@@ -532,14 +595,18 @@ def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
                     t.grad = torch.zeros_like(t)
 
 
-def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None):
+def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None,
+              recompute: Callable[[Stage], bool] | bool = False):
     """Execute one step of every rank in this process and return ``(loss, plan)``.
 
     Gradients accumulate into the model's parameters exactly as the distributed pipeline's would (tied weights
-    included, since every rank's chunks share the model's parameter objects here).
+    included, since every rank's chunks share the model's parameter objects here).  ``recompute``: the stages
+    that recompute (:func:`set_recompute`).
     """
     mbs = compiled.batch_spec.split(batch, n_microbatches)
     w = build_workload(compiled, mbs)
+    if recompute:
+        set_recompute(w, recompute)
     plan = plan or make_plan(compiled, w, 0, check=False)
     order = validate(plan)
     tr = _LocalTransport()
@@ -564,7 +631,8 @@ class PipelineRuntime:
         RuntimeError: torch.distributed is not initialised or the group size is not ``pp_size``.
     """
 
-    def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0):
+    def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
+                 recompute: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -579,6 +647,7 @@ class PipelineRuntime:
                                f"pp_size={compiled.pp_size}")
         self.n_microbatches = 2 * compiled.pp_size if n_microbatches is None else n_microbatches
         self.timeout = timeout
+        self.recompute = recompute
         self.transport = _DistTransport(group, timeout)
         # NCCL moves CUDA tensors: receive buffers and batches go to this process's current CUDA device
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
@@ -670,6 +739,8 @@ class PipelineRuntime:
     def plan_step(self, microbatches: list[Microbatch]) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make) its plan; checks step and digest."""
         w = build_workload(self.compiled, microbatches)
+        if self.recompute:
+            set_recompute(w, True)
         mine = workload_digest(w)
         payload = [None]
         if self.rank == 0:

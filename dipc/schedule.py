@@ -38,6 +38,9 @@ class Stage:
         priority: larger runs first among ready stages of one kind.
         activation_bytes: memory a forward keeps until its backward (bytes).
         modality: the chunk's modality (for pictures and reports).
+        strategy: memory strategy ("keep" or "recompute", :data:`dipc.plan.STRATEGIES`); with "recompute" the
+            forward keeps only its inputs (``activation_bytes`` should count those) and the backward's ``latency``
+            includes the forward run again.
     """
 
     kind: str
@@ -49,6 +52,7 @@ class Stage:
     priority: float = 0.0
     activation_bytes: float = 0.0
     modality: str = ""
+    strategy: str = "keep"
 
     @property
     def key(self) -> str:
@@ -229,7 +233,7 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
             s = graph.stages[k]
             for j in range(i, min(i + recv_lookahead, len(order) - 1) + 1):
                 post_receives(r, order[j])
-            ranks[r].append(Action(kind=s.kind, chunk=s.chunk, mb=s.mb, sub=s.sub))
+            ranks[r].append(Action(kind=s.kind, chunk=s.chunk, mb=s.mb, sub=s.sub, strategy=s.strategy))
             for e in sorted(out_msgs[k], key=lambda e: msg_id[(e.src, e.dst)]):
                 ranks[r].append(comm_action("SEND_" + s.kind, s, graph.stages[e.dst], msg_id[(e.src, e.dst)],
                                             e.tensors))

@@ -168,7 +168,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
 
 
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
-             optimizer_states: int = 2) -> tuple[SimResult, Plan]:
+             optimizer_states: int = 2, recompute=False) -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
     Stage latencies and activation bytes are those the planner used: with a device profile
@@ -184,13 +184,20 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     (:meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
     (:meth:`dipc.device.DeviceProfile.allreduce_time`).
 
+    ``recompute``: the stages that recompute their forward in their backward (``True``: all; a predicate on the
+    forward :class:`dipc.schedule.Stage`): they keep only their inputs and their backward costs the forward again.
+
     Returns:
         ``(result, plan)``.
     """
     from .runtime import build_workload, make_plan
 
+    from .runtime import set_recompute
+
     mbs = compiled.batch_spec.split(batch, n_microbatches)
     w = build_workload(compiled, mbs)
+    if recompute:
+        set_recompute(w, recompute)
     plan = make_plan(compiled, w, 0)
     if static_bytes is None:
         static_bytes = compiled.rank_state_bytes(optimizer_states)

@@ -68,7 +68,8 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[Any], batches_fn: str,
                     batches_args: Sequence[Any], compile_kwargs: Mapping[str, Any] | None = None,
                     n_microbatches: int = 2, seed: int = 0, lr: float = 1e-3, rtol: float = 1e-5,
-                    atol: float = 1e-6, param_atol: float = 1e-5, check_state_dict: bool = True) -> dict:
+                    atol: float = 1e-6, param_atol: float = 1e-5, check_state_dict: bool = True,
+                    runtime_kwargs: Mapping[str, Any] | None = None) -> dict:
     """Train a pipeline and the unsplit model side by side and assert they agree (see the module docstring).
 
     Args:
@@ -77,6 +78,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
         batches_fn, batches_args: ``"module:function"`` returning a list of batches; the first is the example
             batch for compilation, the rest are the training steps.
         compile_kwargs: extra arguments of :func:`dipc.compile`.
+        runtime_kwargs: extra arguments of :meth:`dipc.CompiledPipeline.runtime` (e.g. ``recompute=True``).
         n_microbatches: microbatches per step.
         lr: AdamW learning rate.
         rtol, atol: tolerance for losses and gradients (fp32; differences come only from summing microbatch
@@ -102,7 +104,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
     t0 = time.perf_counter()
     compiled = dipc.compile(model, batches[0], world, **dict(compile_kwargs or {}))
     compile_s = time.perf_counter() - t0
-    pipe = compiled.runtime(n_microbatches=n_microbatches)
+    pipe = compiled.runtime(n_microbatches=n_microbatches, **dict(runtime_kwargs or {}))
     opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
