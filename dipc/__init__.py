@@ -10,7 +10,9 @@ from .plan import Action, Plan, PlanError, TensorSpec, validate
 from .passes.partition import PartitionError
 from . import launch
 from .simulate import simulate, simulate_plan, SimResult
+from .codegen.templates import schedules
 
 __all__ = ["compile", "CompiledPipeline", "Program", "Instances", "LossReduction", "BatchError", "CaptureError",
-           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate", "simulate_plan", "SimResult"]
+           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate", "simulate_plan", "SimResult",
+           "schedules"]
 __version__ = "0.1.0"

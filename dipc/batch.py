@@ -253,8 +253,12 @@ class BatchSpec:
             counts[inst.modality] = inst.per_sample_counts(batch, B)
         return B, counts
 
-    def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int) -> list[Microbatch]:
+    def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int, *,
+              whole_instances: bool = False) -> list[Microbatch]:
         """Validate ``batch`` and cut it into ``n_microbatches`` microbatches (see the module docstring).
+
+        ``whole_instances``: each microbatch's instances form one sub-microbatch (the encoders run on the
+        microbatch whole, as static schedule templates do) instead of sub-microbatches of ``sub_microbatch_size``.
 
         Raises:
             BatchError: invalid batch (:meth:`validate`), ``n_microbatches`` < 1 or larger than the batch size, or
@@ -292,7 +296,7 @@ class BatchSpec:
                     subs[inst.modality] = []
                     continue
                 data.update(inst.cut(batch, lo, hi, sample_lo=s))
-                M = math.ceil(N / inst.sub_microbatch_size)
+                M = (1 if N else 0) if whole_instances else math.ceil(N / inst.sub_microbatch_size)
                 ranges, o = [], 0
                 for sz in (near_equal(N, M) if M else []):
                     ranges.append((o, o + sz))

@@ -329,7 +329,31 @@ class CompiledPipeline:
             return []
         return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
 
+    def chunk_order(self) -> list[int]:
+        """Every chunk index in a topological order of the chunks' data flow (the captures seen so far): the
+        encoders' chunks before the loss's modality (the backbone) where both are free, then by modality and index.
+        Schedule templates use it as their virtual-stage order (:mod:`dipc.codegen.templates`)."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        g.add_nodes_from(c.index for c in self.partition.chunks)
+        for prog in self.programs:
+            for c, cm in prog.chunks.items():
+                g.add_edges_from((i.src_chunk, c) for i in cm.inputs if i.kind == "value" and i.src_chunk != c)
+        sinks = [c for c in g.nodes if g.out_degree(c) == 0 and g.in_degree(c) > 0] or [self.partition.chunks[-1].index]
+        backbone = self.partition.chunks[max(sinks)].modality
+        mods = self.partition.modalities
+        mod = {c.index: c.modality for c in self.partition.chunks}
+        return list(nx.lexicographical_topological_sort(
+            g, key=lambda c: (mod[c] == backbone, mods.index(mod[c]), c)))
+
     def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+        cache = self.__dict__.setdefault("_state_bytes", {})
+        if optimizer_states not in cache:
+            cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
+        return list(cache[optimizer_states])
+
+    def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
         tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
         plus its buffers."""
@@ -438,19 +462,26 @@ class CompiledPipeline:
         return written
 
     def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0,
-                recompute: bool = False):
+                recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip"):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
             group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
             n_microbatches: microbatches per step (default ``2 * pp_size``).
             timeout: seconds any distributed wait may take before it raises.
-            recompute: every stage recomputes its forward in its backward (keeps only its inputs), until the
-                planner chooses per stage.
+            recompute: every stage recomputes its forward in its backward (keeps only its inputs); without it the
+                planner switches stages to recompute only where nothing else fits the memory limit.
+            memory_limit: bytes per device the plans stay under (static state + live activations; default the
+                device profile's ``memory_capacity``, none without one).
+            schedule: the schedule template of every step (:func:`dipc.schedules`; default "dip");
+                ``pipe.step(batch, schedule=...)`` overrides it per step.
+
+        Raises:
+            ValueError: unknown ``schedule``.
         """
         from .runtime import PipelineRuntime
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
-                               recompute=recompute)
+                               recompute=recompute, memory_limit=memory_limit, schedule=schedule)
 
 
 def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .batch import Microbatch
 from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
-from .schedule import Edge, Stage, StageGraph, list_schedule, lower
+from .schedule import Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, timed_schedule
 
 __all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute"]
 
@@ -549,18 +549,96 @@ class Executor:
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True) -> Plan:
-    """Schedule a step with the dual-queue list scheduler and lower it to a plan, checked with
-    :func:`dipc.plan.validate` unless ``check`` is False (for callers that validate it themselves)."""
+def activation_budget(compiled, memory_limit: float | None = None) -> list[float | None]:
+    """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
+    device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients, AdamW states,
+    :meth:`dipc.CompiledPipeline.rank_state_bytes`); ``None`` per rank when neither is known.
+
+    Raises:
+        PlanError: a rank's static bytes alone exceed the limit.
+    """
+    dev = compiled.device
+    cap = memory_limit if memory_limit is not None else (dev.memory_capacity if dev is not None else None)
+    if cap is None:
+        return [None] * compiled.pp_size
+    static = compiled.rank_state_bytes()
+    out = []
+    for r, st in enumerate(static):
+        if st > cap:
+            raise PlanError(f"rank {r} holds {st:.4g} bytes of parameters, gradients and optimizer states, over the "
+                            f"memory limit of {cap:.4g} bytes before any activation")
+        out.append(cap - st)
+    return out
+
+
+def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
+              memory_limit: float | None = None, schedule: str = "dip") -> Plan:
+    """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
+    (for callers that validate it themselves).
+
+    ``schedule``: a template of :func:`dipc.schedules` (:mod:`dipc.codegen.templates`).  "dip" (default) is the
+    memory-aware dual-queue list scheduler (DIP §2.4): forwards are admitted under each rank's activation budget
+    (:func:`activation_budget`) and stages switch to recompute where nothing else fits.  The static templates fix
+    each rank's order first (Optimus: encoder forwards first, then the list scheduler without a limit), then switch
+    stages to recompute until every rank fits its budget (:func:`dipc.schedule.fit_by_recompute`).  The plan's
+    ``simulated`` records ``schedule`` and ``recomputed`` (the forward-backward pairs that recompute).  The workload
+    must have been split as the template needs (:func:`split_for`).
+
+    Raises:
+        ValueError: unknown ``schedule``.
+        PlanError: a rank cannot fit its stages even recomputed, or the plan is invalid.
+    """
+    from .codegen.templates import encoder_first_edges, fixed_order, template
+
+    t = template(schedule)
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
     dev = compiled.device
     comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors))) if dev is not None else None
-    sched = list_schedule(workload.graph, compiled.pp_size, comm_time=comm)
-    plan = lower(workload.graph, sched, chunk_ranks, step=step,
+    limits = activation_budget(compiled, memory_limit)
+    graph = workload.graph
+    P = compiled.pp_size
+
+    def recompute_cost(st):
+        return _input_bytes(workload, st.key), st.latency
+
+    if t.kind == "interleave":
+        sched = list_schedule(graph, P, comm_time=comm,
+                              memory_limit=None if all(x is None for x in limits) else limits,
+                              recompute_cost=recompute_cost)
+    else:
+        chunk_order = compiled.chunk_order()
+        backbone = compiled.partition.chunks[chunk_order[-1]].modality
+        encoders = [m for m in compiled.partition.modalities if m != backbone]
+        if t.kind == "fixed":
+            order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
+        else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
+            extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+            order = list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P,
+                                  comm_time=comm).order
+        if any(x is not None for x in limits):
+            fit_by_recompute(graph, order, limits, recompute_cost)
+        sched = timed_schedule(graph, order, comm_time=comm)
+    plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
+    plan.simulated["schedule"] = t.name
+    plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy == "recompute")
     if check:
         validate(plan)
     return plan
+
+
+def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip") -> list[Microbatch]:
+    """``compiled.batch_spec.split`` as ``schedule`` needs it: sub-microbatches for DIP, the encoders on each
+    microbatch whole for the static templates.
+
+    Raises:
+        ValueError: unknown ``schedule``.
+        dipc.batch.BatchError: see :meth:`dipc.batch.BatchSpec.split`.
+    """
+    from .codegen.templates import template
+
+    whole = not template(schedule).sub_microbatches
+    return compiled.batch_spec.split(batch, n_microbatches, whole_instances=whole)
 
 
 def _modules_of(workload: StepWorkload, ranks) -> dict:
@@ -596,18 +674,20 @@ def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
 
 
 def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None,
-              recompute: Callable[[Stage], bool] | bool = False):
+              recompute: Callable[[Stage], bool] | bool = False, memory_limit: float | None = None,
+              schedule: str = "dip"):
     """Execute one step of every rank in this process and return ``(loss, plan)``.
 
     Gradients accumulate into the model's parameters exactly as the distributed pipeline's would (tied weights
     included, since every rank's chunks share the model's parameter objects here).  ``recompute``: the stages
-    that recompute (:func:`set_recompute`).
+    that recompute (:func:`set_recompute`); ``memory_limit``: bytes per device the plan stays under
+    (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`.
     """
-    mbs = compiled.batch_spec.split(batch, n_microbatches)
+    mbs = split_for(compiled, batch, n_microbatches, schedule)
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
-    plan = plan or make_plan(compiled, w, 0, check=False)
+    plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule)
     order = validate(plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]
@@ -632,7 +712,10 @@ class PipelineRuntime:
     """
 
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
-                 recompute: bool = False):
+                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip"):
+        from .codegen.templates import template
+
+        template(schedule)  # unknown names raise here, on every rank
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -648,6 +731,8 @@ class PipelineRuntime:
         self.n_microbatches = 2 * compiled.pp_size if n_microbatches is None else n_microbatches
         self.timeout = timeout
         self.recompute = recompute
+        self.memory_limit = memory_limit
+        self.schedule = schedule
         self.transport = _DistTransport(group, timeout)
         # NCCL moves CUDA tensors: receive buffers and batches go to this process's current CUDA device
         self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
@@ -736,20 +821,26 @@ class PipelineRuntime:
         dist.all_gather_object(parts, mine, group=self.group)
         return [e for p in parts for e in p]
 
-    def plan_step(self, microbatches: list[Microbatch]) -> tuple[StepWorkload, Plan]:
-        """Build this step's workload and receive (rank 0: make) its plan; checks step and digest."""
+    def plan_step(self, microbatches: list[Microbatch], schedule: str | None = None) -> tuple[StepWorkload, Plan]:
+        """Build this step's workload and receive (rank 0: make) its plan with ``schedule`` (default the runtime's);
+        checks step and digest.  ``microbatches`` must be split as the schedule needs (:func:`split_for`)."""
         w = build_workload(self.compiled, microbatches)
         if self.recompute:
             set_recompute(w, True)
         mine = workload_digest(w)
         payload = [None]
         if self.rank == 0:
-            plan = make_plan(self.compiled, w, self.step_index)
-            text = plan.to_json()
-            payload = [(self.step_index, plan.digest(), text, mine)]
+            try:
+                plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit,
+                                 schedule=schedule or self.schedule)
+                payload = [(self.step_index, plan.digest(), plan.to_json(), mine)]
+            except PlanError as e:  # every rank raises it, instead of waiting for a plan
+                payload = [(self.step_index, None, str(e), mine)]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(payload, src=src, group=self.group)
         step, digest, text, theirs = payload[0]
+        if digest is None:
+            raise PlanError(f"step {step}: rank 0 could not plan it: {text}")
         plan = Plan.from_json(text)
         if step != self.step_index or plan.digest() != digest:
             raise PlanError(f"rank {self.rank} got the plan of step {step} (digest {digest[:12]}) while at step "
@@ -769,19 +860,22 @@ class PipelineRuntime:
                 "PYTHONHASHSEED=0 torchrun ...)")
         return w, plan
 
-    def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None) -> torch.Tensor:
+    def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
+             schedule: str | None = None) -> torch.Tensor:
         """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
 
         Args:
             batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
                 ``labels [B, S]``).
             n_microbatches: overrides the runtime's microbatch count for this step.
+            schedule: overrides the runtime's schedule template for this step (:func:`dipc.schedules`).
 
         Returns:
             the batch loss (0-dim float tensor), identical on every rank.
 
         Raises:
             dipc.batch.BatchError: the batch is invalid (raised on every rank before any communication).
+            ValueError: unknown ``schedule`` (on every rank, before any communication).
             dipc.plan.PlanError: plan delivery or execution is inconsistent.
             RuntimeError: a distributed wait exceeded the timeout.
         """
@@ -789,8 +883,10 @@ class PipelineRuntime:
         if self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
-        mbs = self.compiled.batch_spec.split(batch, self.n_microbatches if n_microbatches is None else n_microbatches)
-        w, plan = self.plan_step(mbs)
+        schedule = schedule or self.schedule
+        mbs = split_for(self.compiled, batch, self.n_microbatches if n_microbatches is None else n_microbatches,
+                        schedule)
+        w, plan = self.plan_step(mbs, schedule)
         t1 = time.perf_counter()
         # gradients already in tied weights (accumulation over several steps) are not summed across ranks again
         before = {pid: (None if self._param_obj[pid].grad is None else self._param_obj[pid].grad.clone())

@@ -8,7 +8,12 @@ stage's priority here favours earlier microbatches) and without the memory ILP (
   ``t_last``, alternate with the kind of the rank's last stage (Megatron-style 1F1B); otherwise take the stage that
   can start earliest; schedule it at ``max(t_last, t_start)`` and release its successors, adding the transfer time
   of edges that cross ranks;
-* optional memory limit: while a rank's live activations exceed it, its forward queue is blocked.
+* memory limit per rank (bytes of activations kept from forwards to backwards, DESIGN.md "Memory"): a forward of
+  microbatch ``m`` is admitted only if the rank stays under its limit while keeping room for the forwards every
+  older unfinished microbatch still has to run there, so microbatches can always complete in order and their
+  backwards free memory (no deadlock however early encoder forwards are ready); when nothing is admissible anywhere, the oldest
+  microbatch's next forward switches to the "recompute" strategy if that fits (``recompute_cost``), else
+  :class:`dipc.plan.PlanError` names the rank, the bytes needed and the limit.
 
 :func:`lower` turns the per-rank order into a :class:`dipc.plan.Plan`: a ``SEND`` right after the stage that
 produces a message, and the matching ``RECV`` posted on the receiver one compute action ahead of the first stage
@@ -19,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Sequence
 
 from .plan import Action, Plan, TensorSpec, stage_key
 
-__all__ = ["Stage", "Edge", "StageGraph", "Schedule", "list_schedule", "lower"]
+__all__ = ["Stage", "Edge", "StageGraph", "Schedule", "list_schedule", "lower", "timed_schedule", "order_peaks",
+           "fit_by_recompute"]
 
 
 @dataclasses.dataclass
@@ -100,22 +106,32 @@ class Schedule:
 
 
 def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge], float] | None = None,
-                  memory_limit: float | None = None) -> Schedule:
+                  memory_limit: float | Sequence[float | None] | None = None,
+                  recompute_cost: Callable[[Stage], tuple[float, float]] | None = None) -> Schedule:
     """Greedy dual-queue list scheduling of every stage (see the module docstring).
 
     Args:
         graph: the step's stages and dependencies (must be acyclic).
         n_ranks: P.
         comm_time: seconds an edge between ranks adds to its consumer's earliest start (default 0).
-        memory_limit: bytes of live forward activations above which a rank's forward queue is blocked.
+        memory_limit: bytes of forward activations a rank may keep live (one number, or one per rank; ``None``:
+            no limit).
+        recompute_cost: forward stage -> (bytes it keeps under "recompute", seconds its backward grows by): lets
+            the scheduler switch a stage to recompute when nothing else fits.  The stage and its backward are
+            updated in ``graph``.
 
     Returns:
         a :class:`Schedule`.
 
     Raises:
         ValueError: the graph has a cycle (some stage never becomes ready).
+        dipc.plan.PlanError: a rank cannot hold the oldest microbatch's next forward under its limit, even
+            recomputed (names the rank, the bytes needed and the limit).
     """
+    from .plan import PlanError
+
     comm_time = comm_time or (lambda e: 0.0)
+    limits = list(memory_limit) if isinstance(memory_limit, (list, tuple)) else [memory_limit] * n_ranks
     preds, succs = graph.preds(), graph.succs()
     remaining = {k: len(preds[k]) for k in graph.stages}
     t_start = {k: 0.0 for k in graph.stages}
@@ -125,38 +141,66 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
     queues = [{"F": [], "B": []} for _ in range(n_ranks)]
     order: list[list[str]] = [[] for _ in range(n_ranks)]
     start, end = {}, {}
+    # forward bytes each microbatch still has to keep on each rank, and the microbatches not yet finished
+    need: list[dict[int, float]] = [defaultdict(float) for _ in range(n_ranks)]
+    open_stages: dict[int, int] = defaultdict(int)
+    for st in graph.stages.values():
+        open_stages[st.mb] += 1
+        if st.kind == "F":
+            need[st.rank][st.mb] += st.activation_bytes
 
     def push(k):
         s = graph.stages[k]
         heapq.heappush(queues[s.rank][s.kind], (-s.priority, s.mb, s.sub, s.chunk, k))
+
+    reserves: dict[tuple[int, int], float] = {}  # (rank, mb) -> bytes older microbatches still need there
+
+    def admissible(r: int, e) -> bool:
+        st = graph.stages[e[-1]]
+        if st.kind == "B" or limits[r] is None:
+            return True
+        # what older microbatches still have to keep here stays free, so they complete in order
+        reserve = reserves.get((r, st.mb))
+        if reserve is None:
+            reserve = reserves[(r, st.mb)] = sum(need[r][m] for m in open_stages if m < st.mb)
+        return live[r] + st.activation_bytes + reserve <= limits[r]
 
     for k, n in remaining.items():
         if n == 0:
             push(k)
     done = 0
     while done < len(graph.stages):
+        reserves.clear()
         best = None
         for r in range(n_ranks):
-            kinds = ["B"] if memory_limit is not None and live[r] > memory_limit and queues[r]["B"] else ["F", "B"]
-            cands = [t_start[e[-1]] for kd in kinds for e in queues[r][kd]]
+            cands = [t_start[e[-1]] for kd in ("F", "B") for e in queues[r][kd] if admissible(r, e)]
             if cands:
                 tm = min(cands)
                 if best is None or tm < best[0]:
-                    best = (tm, r, kinds)
+                    best = (tm, r)
         if best is None:
-            raise ValueError("the stage graph has a cycle: "
-                             f"{[k for k, n in remaining.items() if n > 0][:5]} never become ready")
-        _, r, kinds = best
-        ready = {kd: [e for e in queues[r][kd] if t_start[e[-1]] <= t_last[r]] for kd in kinds}
-        if all(ready.get(kd) for kd in ("F", "B")):
+            if not any(queues[r][kd] for r in range(n_ranks) for kd in ("F", "B")):
+                raise ValueError("the stage graph has a cycle: "
+                                 f"{[k for k, n in remaining.items() if n > 0][:5]} never become ready")
+            _make_room(graph, queues, limits, live, need, min(open_stages), recompute_cost, PlanError)
+            continue
+        _, r = best
+        ok = {kd: [e for e in queues[r][kd] if admissible(r, e)] for kd in ("F", "B")}
+        ready = {kd: [e for e in ok[kd] if t_start[e[-1]] <= t_last[r]] for kd in ("F", "B")}
+        if ready["F"] and ready["B"]:
             kd = "B" if last_kind[r] == "F" else "F"
             pick = min(ready[kd])
         else:
-            pick = min((e for kd in kinds for e in queues[r][kd]), key=lambda e: (t_start[e[-1]], e))
+            pick = min((e for kd in ("F", "B") for e in ok[kd]), key=lambda e: (t_start[e[-1]], e))
         k = pick[-1]
         s = graph.stages[k]
         queues[r][s.kind].remove(pick)
         heapq.heapify(queues[r][s.kind])
+        if s.kind == "F":
+            need[r][s.mb] -= s.activation_bytes
+        open_stages[s.mb] -= 1
+        if not open_stages[s.mb]:
+            del open_stages[s.mb]
         st = max(t_last[r], t_start[k])
         start[k], end[k] = st, st + s.latency
         t_last[r] = end[k]
@@ -172,6 +216,33 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             if remaining[e.dst] == 0:
                 push(e.dst)
     return Schedule(order=order, start=start, end=end)
+
+
+def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recompute_cost, error) -> int:
+    """Nothing is admissible: switch the oldest microbatch's first queued forward (on a rank where it does not fit)
+    to "recompute", or raise ``error`` naming the rank, the bytes needed and the limit."""
+    cands = [(e, r) for r in range(len(queues)) for e in queues[r]["F"] if graph.stages[e[-1]].mb == oldest]
+    for e, r in sorted(cands, key=lambda x: x[0]):
+        st = graph.stages[e[-1]]
+        if st.strategy != "recompute" and recompute_cost is not None:
+            kept, extra = recompute_cost(st)
+            if live[r] + kept <= limits[r]:
+                b = graph.stages["B" + st.key[1:]]
+                need[r][st.mb] += kept - st.activation_bytes
+                for x in (st, b):
+                    x.strategy = "recompute"
+                    x.activation_bytes = kept
+                b.latency += extra
+                return r
+    if cands:
+        e, r = min(cands, key=lambda x: x[0])
+        st = graph.stages[e[-1]]
+        raise error(f"rank {r} cannot keep {st.key}: it needs {st.activation_bytes:.4g} bytes of activations "
+                    f"({st.strategy}) on top of {live[r]:.4g} live, over its limit of {limits[r]:.4g} bytes; give "
+                    "the pipeline more memory, more ranks, or smaller microbatches")
+    r = next(r for r in range(len(queues)) if queues[r]["F"])
+    raise error(f"rank {r} is over its memory limit of {limits[r]:.4g} bytes with {live[r]:.4g} live and no "
+                "backward to free it")
 
 
 def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step: int = 0,
@@ -242,3 +313,117 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
            "start": schedule.start, "end": schedule.end}
     return Plan(step=step, chunk_ranks=list(chunk_ranks), ranks=ranks, deps=deps,
                 microbatches=list(microbatches or []), simulated=sim)
+
+
+def timed_schedule(graph: StageGraph, order: Sequence[Sequence[str]], *,
+                   comm_time: Callable[[Edge], float] | None = None) -> Schedule:
+    """Time a fixed per-rank order (a schedule template's): each stage starts when its rank has finished the one
+    before it and every stage it depends on has ended (plus ``comm_time`` for an edge between ranks).
+
+    Raises:
+        dipc.plan.PlanError: the order is not a permutation of the graph's stages on their ranks, or it deadlocks
+            (names each rank's waiting stage and what it waits for).
+    """
+    from .plan import PlanError
+
+    comm_time = comm_time or (lambda e: 0.0)
+    seen = [k for ks in order for k in ks]
+    if len(seen) != len(graph.stages) or set(seen) != set(graph.stages):
+        missing = sorted(set(graph.stages) - set(seen))[:5]
+        extra = sorted(set(seen) - set(graph.stages))[:5]
+        raise PlanError(f"the order does not run every stage once: missing {missing}, unknown or repeated {extra}")
+    for r, ks in enumerate(order):
+        wrong = [k for k in ks if graph.stages[k].rank != r]
+        if wrong:
+            raise PlanError(f"rank {r}'s order holds stages of other ranks: {wrong[:5]}")
+    preds = graph.preds()
+    start, end = {}, {}
+    pos = [0] * len(order)
+    t_last = [0.0] * len(order)
+    left = len(seen)
+    while left:
+        moved = False
+        for r, ks in enumerate(order):
+            while pos[r] < len(ks):
+                k = ks[pos[r]]
+                if any(e.src not in end for e in preds[k]):
+                    break
+                s = graph.stages[k]
+                t = t_last[r]
+                for e in preds[k]:
+                    delay = comm_time(e) if graph.stages[e.src].rank != s.rank else 0.0
+                    t = max(t, end[e.src] + delay)
+                start[k], end[k] = t, t + s.latency
+                t_last[r] = end[k]
+                pos[r] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            waits = {r: (ks[pos[r]], [e.src for e in preds[ks[pos[r]]] if e.src not in end][:3])
+                     for r, ks in enumerate(order) if pos[r] < len(ks)}
+            raise PlanError(f"the order deadlocks: each rank's next stage and what it waits for: {waits}")
+    return Schedule(order=[list(ks) for ks in order], start=start, end=end)
+
+
+def order_peaks(graph: StageGraph, order: Sequence[Sequence[str]]) -> list[tuple[float, int]]:
+    """Per rank, ``(peak bytes of live forward activations, position in the order where it is reached)``: a
+    forward's ``activation_bytes`` are live from its start to the end of its backward (as the simulator counts)."""
+    out = []
+    for ks in order:
+        level, peak, at = 0.0, 0.0, -1
+        for i, k in enumerate(ks):
+            s = graph.stages[k]
+            if s.kind == "F":
+                level += s.activation_bytes
+                if level > peak:
+                    peak, at = level, i
+            else:
+                level -= s.activation_bytes
+        out.append((peak, at))
+    return out
+
+
+def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None],
+                     recompute_cost: Callable[[Stage], tuple[float, float]]) -> int:
+    """Switch forward-backward stage pairs of a fixed order to "recompute" until every rank's live activations
+    stay under its limit, as a user of a static schedule turns recompute on to fit (selective: at each rank's peak,
+    the pairs live there that save the most bytes per second of recompute go first).  Updates ``graph``'s stages;
+    returns how many pairs changed.
+
+    Raises:
+        dipc.plan.PlanError: a rank is over its limit with every live pair already recomputed (names the rank, the
+            bytes and the limit).
+    """
+    from .plan import PlanError
+
+    n = 0
+    while True:
+        peaks = order_peaks(graph, order)
+        over = [(r, p, at) for r, (p, at) in enumerate(peaks) if limits[r] is not None and p > limits[r]]
+        if not over:
+            return n
+        for r, peak, at in over:
+            ks = order[r]
+            done_b = {k for k in ks[:at + 1] if graph.stages[k].kind == "B"}
+            live = [graph.stages[k] for k in ks[:at + 1] if graph.stages[k].kind == "F"
+                    and "B" + k[1:] not in done_b and graph.stages[k].strategy != "recompute"]
+            cands = []
+            for st in live:
+                kept, extra = recompute_cost(st)
+                if kept < st.activation_bytes:
+                    cands.append(((st.activation_bytes - kept) / max(extra, 1e-12), st, kept, extra))
+            if not cands:
+                raise PlanError(f"rank {r} keeps {peak:.4g} bytes of activations at its peak ({ks[at]}) with every "
+                                f"stage live there recomputed, over its limit of {limits[r]:.4g} bytes; give the "
+                                "pipeline more memory, more ranks, or smaller microbatches")
+            excess = peak - limits[r]
+            for _, st, kept, extra in sorted(cands, key=lambda c: -c[0]):
+                b = graph.stages["B" + st.key[1:]]
+                excess -= st.activation_bytes - kept
+                for x in (st, b):
+                    x.strategy = "recompute"
+                    x.activation_bytes = kept
+                b.latency += extra
+                n += 1
+                if excess <= 0:
+                    break

@@ -42,6 +42,12 @@ class SimResult:
         rank_bubble: per rank, its idle share of the iteration.
         peak_memory: per rank, bytes: ``static_bytes`` + the largest sum of live activations.
         memory_timeline: per rank, ``(time, bytes)`` points where its memory changes.
+        bound: the bubble-free bound, seconds: the busiest rank's total compute (recompute included, since it is
+            in the backwards' latencies), plus ``epilogue``; no schedule of these stages on these ranks is faster.
+        critical_path: seconds of the longest chain of dependent stages (the plan's ``deps``, forward to backward;
+            transfers not counted), plus ``epilogue``: no schedule on any number of ranks is faster.
+        schedule: the template that made the plan (from ``plan.simulated``; "" when unknown).
+        recomputed: forward-backward stage pairs that recompute (memory strategy "recompute").
     """
 
     iteration_time: float
@@ -51,6 +57,20 @@ class SimResult:
     peak_memory: list[float]
     memory_timeline: list[list[tuple[float, float]]]
     comm: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
+    bound: float = 0.0
+    critical_path: float = 0.0
+    schedule: str = ""
+    recomputed: int = 0
+
+    @property
+    def bound_ratio(self) -> float:
+        """``iteration_time / bound`` (1.0: no bubble at all on the busiest rank)."""
+        return self.iteration_time / self.bound if self.bound > 0 else 1.0
+
+    @property
+    def critical_path_ratio(self) -> float:
+        """``iteration_time / critical_path``."""
+        return self.iteration_time / self.critical_path if self.critical_path > 0 else 1.0
 
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
         """Compute actions as trace events (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``."""
@@ -163,12 +183,32 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
             tl.append((t, level))
         peaks.append(peak)
         timelines.append(tl)
+    ep = epilogue if it > 0 else 0.0
+    bound = max(busy_time, default=0.0) + ep
+    critical = _critical_path(plan, latency) + ep
+    recomputed = sum(1 for acts in plan.ranks for a in acts if a.kind == "F" and a.strategy == "recompute")
     return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
-                     memory_timeline=timelines, comm=comm)
+                     memory_timeline=timelines, comm=comm, bound=bound, critical_path=critical,
+                     schedule=str((plan.simulated or {}).get("schedule", "")), recomputed=recomputed)
+
+
+def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
+    """Longest chain of ``plan.deps`` weighted by stage latency (seconds), by networkx's topological order."""
+    import networkx as nx
+
+    g = nx.DiGraph()
+    stages = {a.stage for acts in plan.ranks for a in acts if a.kind in COMPUTE}
+    g.add_nodes_from(stages)
+    g.add_edges_from((d, k) for k, ds in plan.deps.items() for d in ds)
+    finish: dict[str, float] = {}
+    for k in nx.topological_sort(g):
+        finish[k] = max((finish[p] for p in g.predecessors(k)), default=0.0) + latency.get(k, 0.0)
+    return max(finish.values(), default=0.0)
 
 
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
-             optimizer_states: int = 2, recompute=False) -> tuple[SimResult, Plan]:
+             optimizer_states: int = 2, recompute=False, memory_limit: float | None = None,
+             schedule: str = "dip") -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
     Stage latencies and activation bytes are those the planner used: with a device profile
@@ -184,21 +224,29 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     (:meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
     (:meth:`dipc.device.DeviceProfile.allreduce_time`).
 
+    ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
+    plan keeps each rank's static bytes plus live activations under it (:func:`dipc.runtime.activation_budget`).
+
     ``recompute``: the stages that recompute their forward in their backward (``True``: all; a predicate on the
     forward :class:`dipc.schedule.Stage`): they keep only their inputs and their backward costs the forward again.
 
+    ``schedule``: a template of :func:`dipc.schedules` ("dip", "gpipe", "1f1b", "mimo", "optimus"); each is held to
+    the same ``memory_limit``, the static ones by recomputing stages until they fit (``result.recomputed``).
+
     Returns:
         ``(result, plan)``.
+
+    Raises:
+        ValueError: unknown ``schedule``.
+        PlanError: a rank cannot fit the limit even with its stages recomputed.
     """
-    from .runtime import build_workload, make_plan
+    from .runtime import build_workload, make_plan, set_recompute, split_for
 
-    from .runtime import set_recompute
-
-    mbs = compiled.batch_spec.split(batch, n_microbatches)
+    mbs = split_for(compiled, batch, n_microbatches, schedule)
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
-    plan = make_plan(compiled, w, 0)
+    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule)
     if static_bytes is None:
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:

@@ -32,8 +32,9 @@ def unsplit_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], loss
 
 
 def local_check(model: torch.nn.Module, compiled, batch: Mapping[str, Any], n_microbatches: int = 2,
-                rtol: float = 1e-5, atol: float = 1e-6, loss_key: str = "loss") -> float:
-    """Run one step of ``compiled`` for every rank in this process (:func:`dipc.runtime.run_local`) and assert its
+                rtol: float = 1e-5, atol: float = 1e-6, loss_key: str = "loss", **run_kwargs) -> float:
+    """Run one step of ``compiled`` for every rank in this process (:func:`dipc.runtime.run_local`, given
+    ``run_kwargs`` such as ``schedule="1f1b"`` or ``memory_limit=``) and assert its
     loss and every parameter gradient equal the eager ``model``'s on ``batch`` (a parameter the eager model gives
     no gradient may get none or zeros).  Gradients are left cleared.  Returns the largest gradient difference.
 
@@ -47,7 +48,7 @@ def local_check(model: torch.nn.Module, compiled, batch: Mapping[str, Any], n_mi
     ref.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    loss, _ = run_local(compiled, batch, n_microbatches)
+    loss, _ = run_local(compiled, batch, n_microbatches, **run_kwargs)
     torch.testing.assert_close(loss, ref.detach(), rtol=rtol, atol=atol)
     worst = 0.0
     for n, p in model.named_parameters():
