@@ -55,11 +55,12 @@ class CompiledPipeline:
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
-                 shared_keys: Sequence[str] = (), static_keys: Sequence[str] = ()):
+                 shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1):
         self.model = model
         self.check = check and not is_meta(model)
         self.device = device
         self.pp_size = pp_size
+        self.tp_size = tp_size
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
         self.dynamic = dynamic
         self.loss_key = loss_key
@@ -208,8 +209,9 @@ class CompiledPipeline:
         balances blocks.  Returns (instances, module latency, node seconds)."""
         annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
-        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written)
-                 + dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd, backward=True)}
+        T = self.tp_size
+        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T, (c.bytes_read + c.bytes_written) / T)
+                 + dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
         by_mod: dict[str, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":
@@ -251,12 +253,16 @@ class CompiledPipeline:
         return out, latency, node_seconds
 
     def _chunk_costs(self, cap: Capture) -> dict:
-        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6)."""
+        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6); with ``tp_size`` T
+        each operator's FLOPs and bytes are divided by T (Megatron's column/row split with sequence parallelism)
+        before the roofline, so small per-GPU matrices pay the profile's efficiency curve."""
         if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
             annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
-        extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd, c.bytes_read + c.bytes_written),
-                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd, c.bytes_bwd, backward=True)}
+        T = self.tp_size
+        extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T,
+                                                            (c.bytes_read + c.bytes_written) / T),
+                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
         nodes: dict[int, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":
@@ -329,6 +335,28 @@ class CompiledPipeline:
             return []
         return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
 
+    def tp_comm_seconds(self, prog: Program, chunk: int, bindings: Mapping) -> float:
+        """Seconds of the tensor-parallel all-reduces one forward (or one backward) of ``chunk`` pays at
+        ``bindings``: two per block (Megatron: after attention's output projection and after the MLP; the same two
+        in backward for the column-parallel inputs' gradients) of the chunk's residual stream, taken as its largest
+        floating-point input or output value, each a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
+        (:meth:`dipc.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
+        if self.tp_size == 1 or self.device is None:
+            return 0.0
+        cm = prog.chunks[chunk]
+        metas = list(cm.output_meta.values())
+        metas += [prog.chunks[i.src_chunk].output_meta[i.name] for i in cm.inputs
+                  if i.kind == "value" and i.src_chunk in prog.chunks and i.name in prog.chunks[i.src_chunk].output_meta]
+        payload = 0
+        for m in metas:
+            if m.dtype.is_floating_point:
+                n = m.dtype.itemsize
+                for d in m.concrete_shape(bindings):
+                    n *= d
+                payload = max(payload, n)
+        first, last = self.partition.chunks[chunk].blocks
+        return 2 * (last - first) * self.device.tp_allreduce_time(payload, self.tp_size)
+
     def chunk_order(self) -> list[int]:
         """Every chunk index in a topological order of the chunks' data flow (the captures seen so far): the
         encoders' chunks before the loss's modality (the backbone) where both are free, then by modality and index.
@@ -348,6 +376,11 @@ class CompiledPipeline:
             g, key=lambda c: (mod[c] == backbone, mods.index(mod[c]), c)))
 
     def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+        """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``
+        optimizer tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank
+        holding them), plus its buffers; divided by ``tp_size`` (each GPU of a stage holds 1/T of its weights).
+        A 16-bit parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus
+        an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
         cache = self.__dict__.setdefault("_state_bytes", {})
         if optimizer_states not in cache:
             cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
@@ -371,8 +404,13 @@ class CompiledPipeline:
             total = 0.0
             for t in seen.values():
                 n = t.numel() * t.element_size()
-                total += n * (2 + optimizer_states) if isinstance(t, torch.nn.Parameter) and t.requires_grad else n
-            out.append(total)
+                if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+                    total += n
+                elif t.element_size() < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master, states
+                    total += t.numel() * (t.element_size() + 4 * (2 + optimizer_states))
+                else:
+                    total += n * (2 + optimizer_states)
+            out.append(total / self.tp_size)
         return out
 
     def tied_params(self) -> list[tuple[str, tuple[int, ...], int]]:
@@ -493,7 +531,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             dynamic: Mapping[str, Mapping[int, Any]] | None = None,
             loss_key: str = "loss", device=None, check: bool | None = None,
             split_points: Mapping[str, Sequence[str]] | None = None,
-            shared_keys: Sequence[str] = (), static_keys: Sequence[str] = ()) -> CompiledPipeline:
+            shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
+            tp_size: int = 1) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -530,6 +569,11 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             gets them as nested lists, is specialised to them, and is re-captured per distinct value (cached).  When
             the first capture fails on a data-dependent size or branch, small integer tensors of the example batch
             (not tokens, labels or token masks) are retried this way, with a warning.
+        tp_size: T, tensor-parallel GPUs per pipeline stage, for the cost model only (the executor runs each
+            stage on one device): with ``device``, per-GPU FLOPs, bytes, activation and parameter memory are divided
+            by T (Megatron's column/row split with sequence parallelism) and each block pays two TP all-reduces per
+            direction on the profile's ``tp_bandwidth`` (:meth:`CompiledPipeline.tp_comm_seconds`); pipeline
+            messages are split over the T GPUs' links.  Default 1.
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -551,6 +595,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         check = os.environ.get("DIPC_CHECK", "0") == "1"
     if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     auto_b: set[str] = set()
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
@@ -575,7 +621,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
-                                static_keys=tuple(static_keys))
+                                static_keys=tuple(static_keys), tp_size=tp_size)
     if compiled.check:
         check_pipeline(compiled, example_batch)
     return compiled

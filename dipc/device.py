@@ -42,6 +42,9 @@ from typing import Any, Mapping
 __all__ = ["DeviceProfile", "FAMILIES", "COMPUTE_FAMILIES", "VIEW_FAMILY", "op_name", "user_profile_dir",
            "shipped_profiles", "available_profiles", "PROFILE_DIR_ENV"]
 
+#: families whose compute term follows the small-matrix efficiency curve (``DeviceProfile.matmul_half_flops``)
+_CURVE_FAMILIES = ("matmul", "attention", "conv")
+
 #: operator families with their own efficiency factor; "p2p" is the network term (pipeline send/recv, collectives).
 FAMILIES: tuple[str, ...] = ("matmul", "attention", "conv", "elementwise", "reduction", "norm", "softmax",
                              "embedding", "loss", "other", "p2p")
@@ -127,6 +130,15 @@ class DeviceProfile:
         source: where the figures come from (datasheet citation or measurement details).
         dtype: the training dtype ``peak_flops`` refers to ("bfloat16", "float32").
         memory_capacity: device memory in bytes, or None when unknown.
+        matmul_half_flops: the small-matrix efficiency curve of compute-bound operators (families "matmul",
+            "attention", "conv"): an operator of ``f`` FLOPs runs at ``f / (f + matmul_half_flops)`` of its
+            roofline rate, i.e. its compute term is ``a * (f + h) / peak_flops`` with ``h`` this figure once per
+            forward operator and twice in backward (two matmuls per forward one).  Small GEMMs under-fill the
+            device (tile and wave quantisation); this is what makes DIP's B_i rule (§2.1) pick a size.  0 (no
+            curve) by default; the shipped GPU profiles take it from the paper's published figures (see their
+            ``source``).
+        tp_bandwidth: bytes/s per direction of the links tensor-parallel collectives use (NVLink inside a node);
+            None: ``p2p_bandwidth``.
         meta: free-form details (host, torch version, threads, raw measurements); not used by the model.
 
     Raises:
@@ -152,9 +164,14 @@ class DeviceProfile:
     source: str = ""
     dtype: str = "bfloat16"
     memory_capacity: float | None = None
+    matmul_half_flops: float = 0.0
+    tp_bandwidth: float | None = None
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.matmul_half_flops = _check_pos("matmul_half_flops", self.matmul_half_flops, allow_zero=True)
+        if self.tp_bandwidth is not None:
+            self.tp_bandwidth = _check_pos("tp_bandwidth", self.tp_bandwidth)
         self.peak_flops = _check_pos("peak_flops", self.peak_flops)
         self.mem_bandwidth = _check_pos("mem_bandwidth", self.mem_bandwidth)
         self.p2p_bandwidth = _check_pos("p2p_bandwidth", self.p2p_bandwidth)
@@ -225,6 +242,8 @@ class DeviceProfile:
         a = self.op_alpha.get(op) if op is not None else None
         if a is None:
             a = self.alpha_for(family)
+        if flops and family in _CURVE_FAMILIES:
+            flops = flops + self.matmul_half_flops
         t = max(a * flops / self.peak_flops, a * bytes / self.bandwidth_for(bytes))
         if net_bytes:
             t = max(t, self.alpha_for("p2p") * net_bytes / self.p2p_bandwidth)
@@ -254,6 +273,8 @@ class DeviceProfile:
                                  (sympy.Float(self.mem_bandwidth), True))
         else:
             bw = sympy.Float(self.mem_bandwidth)
+        if self.matmul_half_flops and family in _CURVE_FAMILIES and flops != 0:
+            flops = flops + sympy.Float(self.matmul_half_flops * (2 if backward else 1))
         terms = [a * flops / sympy.Float(self.peak_flops), a * nbytes / bw]
         if net != 0:
             terms.append(sympy.Float(self.alpha_for("p2p")) * net / sympy.Float(self.p2p_bandwidth))
@@ -276,6 +297,23 @@ class DeviceProfile:
         if nbytes < 0:
             raise ValueError(f"post_time needs a non-negative size, got {nbytes}")
         return self.p2p_post_overhead + self.p2p_post_per_byte * nbytes
+
+    def tp_allreduce_time(self, nbytes: float, tp_size: int) -> float:
+        """Seconds of one tensor-parallel all-reduce of ``nbytes`` over ``tp_size`` GPUs of a node (Megatron's
+        row-parallel output; with sequence parallelism its reduce-scatter + all-gather move the same bytes): a ring
+        on ``tp_bandwidth``, ``2 (T - 1) p2p_latency + 2 (T - 1) / T * alpha["p2p"] * nbytes / tp_bandwidth``; 0
+        for T = 1.
+
+        Raises:
+            ValueError: ``nbytes`` negative or ``tp_size`` < 1.
+        """
+        if nbytes < 0 or tp_size < 1:
+            raise ValueError(f"tp_allreduce_time needs nbytes >= 0 and tp_size >= 1, got {nbytes}, {tp_size}")
+        if tp_size == 1:
+            return 0.0
+        bw = self.tp_bandwidth or self.p2p_bandwidth
+        steps = 2 * (tp_size - 1)
+        return steps * self.p2p_latency + steps / tp_size * self.alpha_for("p2p") * nbytes / bw
 
     def allreduce_time(self, nbytes: float, n_ranks: int) -> float:
         """Seconds of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks on the P2P links:

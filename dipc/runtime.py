@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from .batch import Microbatch
 from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
-from .schedule import Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, timed_schedule
+from .schedule import (Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute,
+                       timed_schedule)
 
 __all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute"]
 
@@ -104,6 +105,7 @@ class StepWorkload:
     wiring: dict
     empty: dict
     graph: StageGraph
+    tp_size: int = 1
 
 
 def _fkey(c, m, s):
@@ -133,8 +135,9 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
         bind = prog.bind(view)
         cost = prog.stage_cost(c, bind)
         if cost is not None:  # symbolic cost on the device profile, at this stage's own sizes
-            lat = {"F": cost["latency_f"], "B": cost["latency_b"]}
-            act = cost["activation_bytes"]
+            tp = compiled.tp_comm_seconds(prog, c, bind) if compiled.tp_size > 1 else 0.0
+            lat = {"F": cost["latency_f"] + tp, "B": cost["latency_b"] + tp}
+            act = cost["activation_bytes"] / compiled.tp_size
         else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
             if not ex_units:
                 ex_units.update(_example_units(compiled))
@@ -219,7 +222,7 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
     edge_list = [Edge(src=s, dst=d, tensors=tuple(t) if stages[s].rank != stages[d].rank else ())
                  for (s, d), t in edges.items()]
     return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
-                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list))
+                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size)
 
 
 def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True) -> int:
@@ -242,7 +245,8 @@ def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True)
 
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:
-    """Bytes of a forward stage's inputs: the values it receives and the batch keys it reads."""
+    """Bytes per GPU of a forward stage's inputs: the values it receives and the batch keys it reads (divided by
+    the cost model's ``tp_size``: with sequence parallelism each GPU of a stage keeps its shard)."""
     prog = w.programs[fk]
     st = w.graph.stages[fk]
     cm = prog.chunks[st.chunk]
@@ -258,7 +262,7 @@ def _input_bytes(w: StepWorkload, fk: str) -> float:
                 for d in meta.concrete_shape(w.bindings[pk]):
                     n *= d
                 total += n * meta.dtype.itemsize
-    return total
+    return total / w.tp_size
 
 
 def workload_digest(w: StepWorkload) -> str:
@@ -593,7 +597,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     t = template(schedule)
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
     dev = compiled.device
-    comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors))) if dev is not None else None
+    T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
+    comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors) / T)) if dev is not None else None
     limits = activation_budget(compiled, memory_limit)
     graph = workload.graph
     P = compiled.pp_size
@@ -601,22 +606,21 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     def recompute_cost(st):
         return _input_bytes(workload, st.key), st.latency
 
+    chunk_order = compiled.chunk_order()
+    backbone = compiled.partition.chunks[chunk_order[-1]].modality
+    encoders = [m for m in compiled.partition.modalities if m != backbone]
     if t.kind == "interleave":
-        sched = list_schedule(graph, P, comm_time=comm,
-                              memory_limit=None if all(x is None for x in limits) else limits,
-                              recompute_cost=recompute_cost)
+        first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+        sched = _interleave(graph, P, comm, limits, recompute_cost, first)
     else:
-        chunk_order = compiled.chunk_order()
-        backbone = compiled.partition.chunks[chunk_order[-1]].modality
-        encoders = [m for m in compiled.partition.modalities if m != backbone]
         if t.kind == "fixed":
             order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
         else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
             extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
             order = list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P,
                                   comm_time=comm).order
-        if any(x is not None for x in limits):
-            fit_by_recompute(graph, order, limits, recompute_cost)
+        if any(x is not None for x in limits):  # the recompute its users turn on: whole chunks (Optimus is in DIP)
+            fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")
         sched = timed_schedule(graph, order, comm_time=comm)
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
@@ -625,6 +629,62 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     if check:
         validate(plan)
     return plan
+
+
+def _copy_stages(graph: StageGraph) -> StageGraph:
+    return StageGraph(stages={k: dataclasses.replace(st) for k, st in graph.stages.items()}, edges=graph.edges)
+
+
+#: in-flight windows DIP's planner tries under a memory limit, in multiples of P
+WINDOWS = (1.5, 2, 3, 4)
+
+
+def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None):
+    """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets.  Without a limit: one list
+    schedule.  With one: the best simulated of a few candidates (a first, fixed search over orders; the MCTS
+    priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
+    oldest recomputes when it does not fit), and orders made without a limit - each window W in :data:`WINDOWS`
+    (W x P microbatches in flight per rank) and the encoder-first order (``encoder_first``: the extra precedence
+    edges, Optimus' coarse order) - whose stages then recompute until they fit
+    (:func:`dipc.schedule.fit_by_recompute`) and go back to "keep" where memory is left
+    (:func:`dipc.schedule.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
+    written into ``graph``.
+
+    Raises:
+        PlanError: no candidate fits (the first error met).
+    """
+    if all(x is None for x in limits):
+        return list_schedule(graph, P, comm_time=comm)
+    cands, errs = [], []
+    g = _copy_stages(graph)
+    try:
+        cands.append((list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost), g))
+    except PlanError as e:
+        errs.append(e)
+    orders = [dict(window=max(1, round(w * P))) for w in WINDOWS]
+    if encoder_first:
+        orders.append(dict(extra=encoder_first))
+    for o in orders:
+        g = _copy_stages(graph)
+        if "extra" in o:
+            order = list_schedule(StageGraph(stages=g.stages, edges=g.edges + o["extra"]), P, comm_time=comm).order
+        else:
+            order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
+        try:
+            fit_by_recompute(g, order, limits, recompute_cost)
+        except PlanError as e:
+            errs.append(e)
+            continue
+        relax_recompute(g, order, limits)
+        cands.append((timed_schedule(g, order, comm_time=comm), g))
+    if not cands:
+        raise errs[0]
+    sched, g = min(cands, key=lambda c: c[0].iteration_time)
+    for k, st in g.stages.items():
+        o = graph.stages[k]
+        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
+        o.keep_bytes, o.recompute_extra = st.keep_bytes, st.recompute_extra
+    return sched
 
 
 def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip") -> list[Microbatch]:

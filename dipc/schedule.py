@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 from .plan import Action, Plan, TensorSpec, stage_key
 
 __all__ = ["Stage", "Edge", "StageGraph", "Schedule", "list_schedule", "lower", "timed_schedule", "order_peaks",
-           "fit_by_recompute"]
+           "fit_by_recompute", "relax_recompute", "switch_to_recompute"]
 
 
 @dataclasses.dataclass
@@ -47,6 +47,9 @@ class Stage:
         strategy: memory strategy ("keep" or "recompute", :data:`dipc.plan.STRATEGIES`); with "recompute" the
             forward keeps only its inputs (``activation_bytes`` should count those) and the backward's ``latency``
             includes the forward run again.
+        keep_bytes, recompute_extra: set on a forward the planner switched to "recompute"
+            (:func:`switch_to_recompute`): its bytes under "keep" and the seconds its backward grew by, so that
+            :func:`relax_recompute` can switch it back.
     """
 
     kind: str
@@ -59,6 +62,8 @@ class Stage:
     activation_bytes: float = 0.0
     modality: str = ""
     strategy: str = "keep"
+    keep_bytes: float | None = None
+    recompute_extra: float = 0.0
 
     @property
     def key(self) -> str:
@@ -107,7 +112,8 @@ class Schedule:
 
 def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge], float] | None = None,
                   memory_limit: float | Sequence[float | None] | None = None,
-                  recompute_cost: Callable[[Stage], tuple[float, float]] | None = None) -> Schedule:
+                  recompute_cost: Callable[[Stage], tuple[float, float]] | None = None,
+                  window: int | None = None) -> Schedule:
     """Greedy dual-queue list scheduling of every stage (see the module docstring).
 
     Args:
@@ -119,6 +125,9 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         recompute_cost: forward stage -> (bytes it keeps under "recompute", seconds its backward grows by): lets
             the scheduler switch a stage to recompute when nothing else fits.  The stage and its backward are
             updated in ``graph``.
+        window: at most this many microbatches in flight per rank: a forward of microbatch ``m`` waits until every
+            microbatch before ``m - window + 1`` has finished on its rank (``None``: no window).  1F1B's in-flight
+            bound; DIP's planner tries several (:func:`dipc.runtime.make_plan`).
 
     Returns:
         a :class:`Schedule`.
@@ -141,13 +150,19 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
     queues = [{"F": [], "B": []} for _ in range(n_ranks)]
     order: list[list[str]] = [[] for _ in range(n_ranks)]
     start, end = {}, {}
-    # forward bytes each microbatch still has to keep on each rank, and the microbatches not yet finished
+    # forward bytes each microbatch still has to keep on each rank (at least: recomputed where that is cheaper),
+    # and the microbatches not yet finished
     need: list[dict[int, float]] = [defaultdict(float) for _ in range(n_ranks)]
     open_stages: dict[int, int] = defaultdict(int)
+    least_of: dict[str, float] = {}
     for st in graph.stages.values():
         open_stages[st.mb] += 1
         if st.kind == "F":
-            need[st.rank][st.mb] += st.activation_bytes
+            least = st.activation_bytes
+            if recompute_cost is not None and limits[st.rank] is not None and st.strategy != "recompute":
+                least = min(least, recompute_cost(st)[0])
+            least_of[st.key] = least
+            need[st.rank][st.mb] += least
 
     def push(k):
         s = graph.stages[k]
@@ -155,15 +170,40 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
 
     reserves: dict[tuple[int, int], float] = {}  # (rank, mb) -> bytes older microbatches still need there
 
+    def reserve_of(r: int, mb: int) -> float:
+        v = reserves.get((r, mb))
+        if v is None:
+            v = reserves[(r, mb)] = sum(need[r][m] for m in open_stages if m < mb)
+        return v
+
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+    left_on = [defaultdict(int) for _ in range(n_ranks)]  # (rank) -> mb -> stages not yet scheduled there
+    for st in graph.stages.values():
+        left_on[st.rank][st.mb] += 1
+    first_open = [min(d, default=0) for d in left_on]
+
     def admissible(r: int, e) -> bool:
         st = graph.stages[e[-1]]
+        if st.kind == "F" and window is not None and st.mb >= first_open[r] + window:
+            return False
         if st.kind == "B" or limits[r] is None:
             return True
         # what older microbatches still have to keep here stays free, so they complete in order
-        reserve = reserves.get((r, st.mb))
-        if reserve is None:
-            reserve = reserves[(r, st.mb)] = sum(need[r][m] for m in open_stages if m < st.mb)
-        return live[r] + st.activation_bytes + reserve <= limits[r]
+        return live[r] + st.activation_bytes + reserve_of(r, st.mb) <= limits[r]
+
+    def recompute_to_fit(r: int) -> bool:
+        """Rank r has nothing it may run: rather than wait for a backward to free memory, recompute its oldest
+        queued forward that then fits."""
+        for e in sorted(queues[r]["F"], key=lambda e: (e[1], e)):
+            st = graph.stages[e[-1]]
+            if st.strategy == "recompute":
+                continue
+            kept, extra = recompute_cost(st)
+            if kept < st.activation_bytes and live[r] + kept + reserve_of(r, st.mb) <= limits[r]:
+                switch_to_recompute(graph, st, kept, extra)
+                return True
+        return False
 
     for k, n in remaining.items():
         if n == 0:
@@ -173,6 +213,12 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         reserves.clear()
         best = None
         for r in range(n_ranks):
+            if recompute_cost is not None and limits[r] is not None and queues[r]["F"]:
+                # the oldest queued forward does not fit: recompute it rather than run younger work past it (the
+                # reserve already counted it at its recomputed bytes)
+                oldest = min(queues[r]["F"], key=lambda e: (e[1], e))
+                if not admissible(r, oldest):
+                    recompute_to_fit(r)
             cands = [t_start[e[-1]] for kd in ("F", "B") for e in queues[r][kd] if admissible(r, e)]
             if cands:
                 tm = min(cands)
@@ -190,6 +236,8 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         if ready["F"] and ready["B"]:
             kd = "B" if last_kind[r] == "F" else "F"
             pick = min(ready[kd])
+        elif ready["F"] or ready["B"]:  # every ready stage starts at t_last (no bubble): the highest priority
+            pick = min(ready["F"] or ready["B"])
         else:
             pick = min((e for kd in ("F", "B") for e in ok[kd]), key=lambda e: (t_start[e[-1]], e))
         k = pick[-1]
@@ -197,10 +245,15 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         queues[r][s.kind].remove(pick)
         heapq.heapify(queues[r][s.kind])
         if s.kind == "F":
-            need[r][s.mb] -= s.activation_bytes
+            need[r][s.mb] -= least_of[k]
         open_stages[s.mb] -= 1
         if not open_stages[s.mb]:
             del open_stages[s.mb]
+        left_on[r][s.mb] -= 1
+        if not left_on[r][s.mb]:
+            del left_on[r][s.mb]
+            if s.mb == first_open[r]:
+                first_open[r] = min(left_on[r], default=first_open[r] + 1)
         st = max(t_last[r], t_start[k])
         start[k], end[k] = st, st + s.latency
         t_last[r] = end[k]
@@ -227,12 +280,7 @@ def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recom
         if st.strategy != "recompute" and recompute_cost is not None:
             kept, extra = recompute_cost(st)
             if live[r] + kept <= limits[r]:
-                b = graph.stages["B" + st.key[1:]]
-                need[r][st.mb] += kept - st.activation_bytes
-                for x in (st, b):
-                    x.strategy = "recompute"
-                    x.activation_bytes = kept
-                b.latency += extra
+                switch_to_recompute(graph, st, kept, extra)
                 return r
     if cands:
         e, r = min(cands, key=lambda x: x[0])
@@ -315,6 +363,59 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
                 microbatches=list(microbatches or []), simulated=sim)
 
 
+def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float) -> None:
+    """Give forward ``st`` and its backward the "recompute" strategy: both count ``kept`` bytes, the backward grows
+    by ``extra`` seconds; the forward remembers its "keep" bytes for :func:`relax_recompute`."""
+    b = graph.stages["B" + st.key[1:]]
+    st.keep_bytes, st.recompute_extra = st.activation_bytes, extra
+    for x in (st, b):
+        x.strategy = "recompute"
+        x.activation_bytes = kept
+    b.latency += extra
+
+
+def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None]) -> int:
+    """Switch planner-recomputed stage pairs (:func:`switch_to_recompute`) of a fixed order back to "keep" while
+    every rank's live activations stay under its limit: most backward seconds saved per byte first, each checked
+    over the positions its activations would be live (a greedy form of DIP's per-rank memory optimisation, PAPER.md
+    §2.5; the ILP is the next issue's).  Returns how many pairs went back to "keep"."""
+    import numpy as np
+
+    n = 0
+    for r, ks in enumerate(order):
+        if limits[r] is None or not ks:
+            continue
+        pos = {k: i for i, k in enumerate(ks)}
+        delta = np.zeros(len(ks) + 1)
+        for i, k in enumerate(ks):
+            s = graph.stages[k]
+            if s.kind == "F":
+                delta[i] += s.activation_bytes
+            else:
+                delta[i + 1] -= s.activation_bytes  # freed after the backward (as :func:`order_peaks` counts)
+        level = np.cumsum(delta)[:-1]
+        cands = []
+        for k in ks:
+            s = graph.stages[k]
+            if s.kind == "F" and s.strategy == "recompute" and s.keep_bytes is not None:
+                extra_b = s.keep_bytes - s.activation_bytes
+                cands.append((-(s.recompute_extra / max(extra_b, 1e-12)), k))
+        for _, k in sorted(cands):
+            s = graph.stages[k]
+            b = graph.stages["B" + k[1:]]
+            lo, hi = pos[k], pos[b.key]
+            add = s.keep_bytes - s.activation_bytes
+            if level[lo:hi + 1].max() + add <= limits[r]:
+                level[lo:hi + 1] += add
+                for x in (s, b):
+                    x.strategy = "keep"
+                    x.activation_bytes = s.keep_bytes
+                b.latency -= s.recompute_extra
+                s.keep_bytes, s.recompute_extra = None, 0.0
+                n += 1
+    return n
+
+
 def timed_schedule(graph: StageGraph, order: Sequence[Sequence[str]], *,
                    comm_time: Callable[[Edge], float] | None = None) -> Schedule:
     """Time a fixed per-rank order (a schedule template's): each stage starts when its rank has finished the one
@@ -384,11 +485,13 @@ def order_peaks(graph: StageGraph, order: Sequence[Sequence[str]]) -> list[tuple
 
 
 def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None],
-                     recompute_cost: Callable[[Stage], tuple[float, float]]) -> int:
+                     recompute_cost: Callable[[Stage], tuple[float, float]], *, uniform: bool = False) -> int:
     """Switch forward-backward stage pairs of a fixed order to "recompute" until every rank's live activations
     stay under its limit, as a user of a static schedule turns recompute on to fit (selective: at each rank's peak,
-    the pairs live there that save the most bytes per second of recompute go first).  Updates ``graph``'s stages;
-    returns how many pairs changed.
+    the pairs live there that save the most bytes per second of recompute go first).  With ``uniform`` a chunk
+    recomputes for every microbatch or for none (Megatron's ``--recompute-granularity full``: the same layers for
+    all microbatches): at each peak the chunk live there with the most bytes saved per second goes whole.  Updates
+    ``graph``'s stages; returns how many pairs changed.
 
     Raises:
         dipc.plan.PlanError: a rank is over its limit with every live pair already recomputed (names the rank, the
@@ -417,13 +520,23 @@ def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: 
                                 f"stage live there recomputed, over its limit of {limits[r]:.4g} bytes; give the "
                                 "pipeline more memory, more ranks, or smaller microbatches")
             excess = peak - limits[r]
+            if uniform:  # the best chunk live at the peak, for all its microbatches
+                by_chunk: dict[int, list] = defaultdict(list)
+                for st in graph.stages.values():
+                    if st.kind == "F" and st.rank == r and st.strategy != "recompute":
+                        kept, extra = recompute_cost(st)
+                        if kept < st.activation_bytes:
+                            by_chunk[st.chunk].append((st, kept, extra))
+                live_chunks = {c[1].chunk for c in cands}
+                best = max(live_chunks, key=lambda c: sum(st.activation_bytes - kp for st, kp, _ in by_chunk[c])
+                           / max(sum(x for _, _, x in by_chunk[c]), 1e-12))
+                for st, kept, extra in by_chunk[best]:
+                    switch_to_recompute(graph, st, kept, extra)
+                    n += 1
+                continue
             for _, st, kept, extra in sorted(cands, key=lambda c: -c[0]):
-                b = graph.stages["B" + st.key[1:]]
                 excess -= st.activation_bytes - kept
-                for x in (st, b):
-                    x.strategy = "recompute"
-                    x.activation_bytes = kept
-                b.latency += extra
+                switch_to_recompute(graph, st, kept, extra)
                 n += 1
                 if excess <= 0:
                     break

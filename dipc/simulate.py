@@ -251,13 +251,14 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:
         dev = compiled.device
-        comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors))  # noqa: E731
+        T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
+        comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors) / T)  # noqa: E731
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
     post, epilogue = 0.0, 0.0
     dev = compiled.device
     if dev is not None:
-        post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors))  # noqa: E731
+        post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors) / compiled.tp_size)  # noqa: E731
         epilogue = (dev.step_overhead + dev.allreduce_time(4, compiled.pp_size)
                     + sum(dev.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,

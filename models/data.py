@@ -55,6 +55,8 @@ from typing import Iterator
 import torch
 
 __all__ = [
+    "PAPER_MIXES",
+    "paper_vlm_batch",
     "PAPER_SEQ_LEN",
     "PAPER_TOKENS_PER_IMAGE",
     "PAPER_MAX_IMAGES",
@@ -132,9 +134,10 @@ def _document(rng: _Rng, source: str, scale: float, budget: int) -> list[tuple[s
     return segments
 
 
-def _pack_row(rng: _Rng, budget: int, tokens_per_image: int, max_images: int) -> list[tuple[str, int]]:
+def _pack_row(rng: _Rng, budget: int, tokens_per_image: int, max_images: int,
+              sources: tuple[tuple[str, float], ...] = _SOURCES) -> list[tuple[str, int]]:
     """Greedily pack documents of one randomly drawn source into ``budget`` content tokens."""
-    source = rng.choice(_SOURCES)
+    source = rng.choice(sources)
     scale = tokens_per_image / PAPER_TOKENS_PER_IMAGE
     row: list[tuple[str, int]] = []
     used, images = 0, 0
@@ -360,3 +363,54 @@ def t2v_batches(config, n_batches: int, batch_size: int, seed: int) -> Iterator[
         noise = torch.randn(shape, generator=rng.g)
         timesteps = torch.sigmoid(torch.randn(batch_size, generator=rng.g))
         yield {"input_ids": input_ids, "latents": latents, "noise": noise, "timesteps": timesteps}
+
+
+#: source mixes of :func:`paper_vlm_batch`: the module docstring's default mix, LAION-like (caption pairs only) and
+#: OBELICS-like (interleaved documents only)
+PAPER_MIXES = {"mixed": _SOURCES, "laion": (("caption", 1.0),), "obelics": (("interleaved", 1.0),)}
+
+
+def paper_vlm_batch(config, n_rows: int, seed: int, mix: str = "mixed", max_images: int = PAPER_MAX_IMAGES,
+                    pixels_on_meta: bool = True) -> dict[str, torch.Tensor]:
+    """One batch at the paper's scale (PAPER.md §1.2, §3.2) for a paper-size :class:`~dipc.models.VLMConfig`:
+    ``n_rows`` sequences each packed greedily to 8192 tokens (``config.tokens_per_image`` = 169 per image at
+    728 px, at most ``max_images`` = 48 images per sequence) from the ``mix`` of sources (:data:`PAPER_MIXES`;
+    text lengths as in the module docstring, unscaled).  One row is one microbatch in the paper's setup.
+
+    Returns:
+        ``{"input_ids": [n_rows, 8192] int64, "pixel_values": [N, 3, H, W], "labels": [n_rows, 8192] int64}``
+        with exactly ``N * tokens_per_image`` image placeholders; ``pixel_values`` on the meta device unless
+        ``pixels_on_meta`` is False (real pixels would take 6.4 MB per 728 px image).
+
+    Raises:
+        ValueError: unknown ``mix``.
+    """
+    if mix not in PAPER_MIXES:
+        raise ValueError(f"unknown mix {mix!r}; one of {sorted(PAPER_MIXES)}")
+    T = config.tokens_per_image
+    rng = _Rng(seed)
+    seq = PAPER_SEQ_LEN
+    ids = torch.full((n_rows, seq), config.pad_token_id, dtype=torch.long)
+    labels = torch.full((n_rows, seq), IGNORE_INDEX, dtype=torch.long)
+    n_images = 0
+    for b in range(n_rows):
+        pos = 0
+        ids[b, pos] = config.bos_token_id
+        pos += 1
+        for kind, n in _pack_row(rng, seq - 2, T, max_images, PAPER_MIXES[mix]):
+            if kind == "image":
+                ids[b, pos:pos + T] = config.image_token_id
+                n_images += 1
+                pos += T
+            else:
+                toks = torch.randint(3, config.vocab_size, (n,), generator=rng.g)
+                toks[toks == config.image_token_id] = 3
+                ids[b, pos:pos + n] = toks
+                labels[b, pos:pos + n] = toks
+                pos += n
+        ids[b, pos] = config.eos_token_id
+        labels[b, pos] = config.eos_token_id
+    size = config.vision.image_size
+    shape = (n_images, 3, size, size)
+    pixels = torch.empty(shape, device="meta") if pixels_on_meta else torch.randn(shape, generator=rng.g)
+    return {"input_ids": ids, "pixel_values": pixels, "labels": labels}

@@ -53,12 +53,17 @@ def test_unlimited_memory_grows_with_the_microbatches_a_limit_keeps_it_flat():
     assert lim[32] <= 1.2 * lim[8]
 
 
-def test_recompute_only_when_nothing_fits_else_a_clear_error():
+def test_recompute_only_when_memory_binds_else_a_clear_error():
     p, images = 2, [30, 30, 30]
     g = vlm_graph(p, images, vision_per_image=1.0)
     one = 30 + 4.0  # a microbatch's forward bytes on rank 0 (vision 30 + text 4)
-    sched = list_schedule(g, p, memory_limit=one, recompute_cost=lambda s: (s.activation_bytes / 10, s.latency))
+    free = max(_peaks(g, p, list_schedule(g, p))[0])  # what the unconstrained schedule keeps
+    g = vlm_graph(p, images, vision_per_image=1.0)
+    sched = list_schedule(g, p, memory_limit=free, recompute_cost=lambda s: (s.activation_bytes / 10, s.latency))
     assert not [s for s in g.stages.values() if s.strategy == "recompute"]  # it fits: nothing recomputed
+    g = vlm_graph(p, images, vision_per_image=1.0)
+    sched = list_schedule(g, p, memory_limit=one, recompute_cost=lambda s: (s.activation_bytes / 10, s.latency))
+    assert max(_peaks(g, p, sched)[0]) <= one
     g = vlm_graph(p, images, vision_per_image=1.0)
     sched = list_schedule(g, p, memory_limit=one / 2,
                           recompute_cost=lambda s: (s.activation_bytes / 10, s.latency))

@@ -93,16 +93,17 @@ def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     import dipc
     from dipc.device import DeviceProfile
     import pipeline_cases as pc
-    base = DeviceProfile.load("h100")
+    base = dataclasses.replace(DeviceProfile.load("h100"), matmul_half_flops=0.0)  # the datasheet roofline alone
     got = {}
-    for overhead in (0.0, 2e-6):
+    for overhead, half in ((0.0, 0.0), (2e-6, 0.0), (0.0, 1e9)):
         torch.manual_seed(0)
         c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2,
-                         device=dataclasses.replace(base, launch_overhead=overhead))
-        got[overhead] = c.batch_spec.instances[0].sub_microbatch_size
+                         device=dataclasses.replace(base, launch_overhead=overhead, matmul_half_flops=half))
+        got[overhead, half] = c.batch_spec.instances[0].sub_microbatch_size
         assert "B_i by the DIP rule" in c.describe()
         assert all(k >= 1 for k in c.partition.chunks_per_rank.values())
-    assert 1 <= got[0.0] < got[2e-6] <= 64
+    assert 1 <= got[0.0, 0.0] < got[2e-6, 0.0] <= 64
+    assert got[0.0, 0.0] < got[0.0, 1e9] <= 64  # the small-matrix efficiency curve too
     torch.manual_seed(0)
     c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, sub_microbatch_size={"vision": 3})
     assert c.batch_spec.instances[0].sub_microbatch_size == 3

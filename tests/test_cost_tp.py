@@ -1,0 +1,116 @@
+"""Tensor parallelism and device realism in the cost model (issue 8 scope 2), the greedy memory relaxation and the
+in-flight window of the planner, and the paper-scale workload generator."""
+import dataclasses
+
+import pytest
+import torch
+
+import dipc
+from dipc.device import DeviceProfile
+from dipc.runtime import build_workload, split_for
+from dipc.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
+
+import pipeline_cases as pc
+from stage_graphs import vlm_graph
+
+
+def test_tp_allreduce_is_a_ring_on_the_tp_links():
+    dev = dataclasses.replace(DeviceProfile.load("h800"), p2p_latency=1e-5)
+    assert dev.tp_allreduce_time(1e9, 1) == 0.0
+    # 2 (T - 1) latencies + 2 (T - 1) / T * bytes / bandwidth
+    assert dev.tp_allreduce_time(1e9, 4) == pytest.approx(6 * 1e-5 + 1.5 * 1e9 / dev.tp_bandwidth)
+    with pytest.raises(ValueError, match="tp_size >= 1"):
+        dev.tp_allreduce_time(1.0, 0)
+
+
+def test_tp_divides_per_gpu_work_and_memory_and_adds_the_allreduces():
+    base = dataclasses.replace(DeviceProfile.load("h100"), matmul_half_flops=0.0, launch_overhead=0.0,
+                               backward_overhead=0.0)
+    b = pc.vlm_batch([2, 1, 0, 1], 16, 3)
+    got = {}
+    for tp in (1, 2):
+        torch.manual_seed(0)
+        c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, tp_size=tp,
+                         sub_microbatch_size={"vision": 2}, chunks_per_rank={"vision": 1, "text": 2}, check=False)
+        w = build_workload(c, split_for(c, b, 2))
+        got[tp] = (c, w)
+    (c1, w1), (c2, w2) = got[1], got[2]
+    assert c2.rank_state_bytes() == pytest.approx([x / 2 for x in c1.rank_state_bytes()])
+    n_comm = 0
+    for k, s1 in w1.graph.stages.items():
+        s2 = w2.graph.stages[k]
+        fk = "F" + k[1:]
+        comm = c2.tp_comm_seconds(w2.programs[fk], s2.chunk, w2.bindings[fk])
+        first, last = c2.partition.chunks[s2.chunk].blocks
+        assert comm > 0 and comm >= 2 * (last - first) * base.tp_allreduce_time(0, 2)
+        n_comm += 1
+        # the roofline is homogeneous in FLOPs and bytes: halving both halves each operator's time
+        assert s2.latency - comm == pytest.approx(s1.latency / 2, rel=1e-6), k
+        if s1.kind == "F":
+            assert s2.activation_bytes == pytest.approx(s1.activation_bytes / 2)
+    assert n_comm == len(w1.graph.stages)
+    with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=0)
+
+
+def test_the_efficiency_curve_slows_small_matmuls_only():
+    dev = dataclasses.replace(DeviceProfile.load("h800"), matmul_half_flops=1e10)
+    big, small = 1e14, 1e8
+    assert dev.op_latency("matmul", big, 0) == pytest.approx((big + 1e10) / dev.peak_flops)
+    assert dev.op_latency("matmul", small, 0) / (small / dev.peak_flops) > 50  # a tiny GEMM runs at ~1%
+    assert dev.op_latency("elementwise", 0, 1e9) == pytest.approx(1e9 / dev.mem_bandwidth)
+
+
+def test_relaxing_recompute_keeps_the_limit_and_only_removes_recompute():
+    p = 4
+    g = vlm_graph(p, [24, 0, 13, 40, 7, 30, 0, 22], b_i=12)
+    order = list_schedule(g, p).order
+    limit = max(pk for pk, _ in order_peaks(g, order)) / 3
+    n = fit_by_recompute(g, order, [limit] * p, lambda s: (s.activation_bytes / 10, s.latency))
+    before = {k for k, s in g.stages.items() if s.strategy == "recompute"}
+    lat_before = sum(s.latency for s in g.stages.values())
+    back = relax_recompute(g, order, [limit] * p)
+    after = {k for k, s in g.stages.items() if s.strategy == "recompute"}
+    assert after <= before and len(before) - len(after) == 2 * back and n * 2 == len(before)
+    assert max(pk for pk, _ in order_peaks(g, order)) <= limit * (1 + 1e-9)
+    assert sum(s.latency for s in g.stages.values()) <= lat_before
+    for k in before - after:
+        assert g.stages[k].strategy == "keep" and g.stages["B" + k[1:]].strategy == "keep"
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_the_window_bounds_microbatches_in_flight(window):
+    from collections import Counter
+    p = 4
+    g = vlm_graph(p, [3, 0, 25, 12, 0, 7, 9, 30, 1, 2], b_i=12)
+    sched = list_schedule(g, p, window=window)
+    widest = 0
+    for r, ks in enumerate(sched.order):
+        left = Counter(s.mb for s in g.stages.values() if s.rank == r)
+        for k in ks:
+            s = g.stages[k]
+            if s.kind == "F":
+                oldest = min(m for m, n in left.items() if n)
+                assert s.mb < oldest + window, (r, k, oldest)
+                widest = max(widest, s.mb - oldest + 1)
+            left[s.mb] -= 1
+    assert widest == window  # the bound is reached (these steps have enough work to fill it)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        list_schedule(g, p, window=0)
+
+
+def test_paper_batches_follow_the_published_statistics():
+    from dipc.models.configs import vlm_s
+    from dipc.models.data import paper_vlm_batch
+    cfg = vlm_s()
+    b = paper_vlm_batch(cfg, 16, 0)
+    assert b["input_ids"].shape == (16, 8192) and b["pixel_values"].is_meta
+    per_row = (b["input_ids"] == cfg.image_token_id).sum(1)
+    assert (per_row % 169 == 0).all() and (per_row // 169 <= 48).all()
+    assert int(per_row.sum()) == 169 * b["pixel_values"].shape[0]
+    laion = paper_vlm_batch(cfg, 16, 0, mix="laion")
+    obelics = paper_vlm_batch(cfg, 16, 0, mix="obelics")
+    # caption pairs (16.4 text tokens per image) pack far more images than interleaved documents
+    assert laion["pixel_values"].shape[0] > obelics["pixel_values"].shape[0]
+    with pytest.raises(ValueError, match="unknown mix 'web'"):
+        paper_vlm_batch(cfg, 1, 0, mix="web")
