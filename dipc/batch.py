@@ -266,7 +266,7 @@ class BatchSpec:
         """
         batch = self.normalize(batch)
         B, counts = self.validate(batch)
-        if not isinstance(n_microbatches, int) or n_microbatches < 1:
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise BatchError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
         if n_microbatches > B:
             raise BatchError(f"n_microbatches={n_microbatches} is larger than the batch size {B}")

@@ -55,7 +55,8 @@ class CompiledPipeline:
                  instances: Sequence[Instances], loss: LossReduction, dynamic: Mapping[str, Mapping[int, Any]] | None,
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
-                 shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1):
+                 shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1,
+                 balance: str = "time"):
         self.model = model
         self.check = check and not is_meta(model)
         self.device = device
@@ -99,8 +100,11 @@ class CompiledPipeline:
         if device is not None:
             instances, module_latency, node_seconds = self._dip_rules(cap, instances, auto_b or set())
             self.batch_spec.instances = list(instances)
+        weights = node_seconds
+        if balance == "params":  # Megatron-LM's layer split: chunks of about equal parameter count
+            weights, module_latency = _param_weights(cap, model), None
         self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
-                                              module_latency=module_latency, node_seconds=node_seconds,
+                                              module_latency=module_latency, node_seconds=weights,
                                               split_points=split_points)
         self.check_notes = place_checks(cap.graph, self.partition)
         if self.rules_matched is False:
@@ -357,6 +361,44 @@ class CompiledPipeline:
         first, last = self.partition.chunks[chunk].blocks
         return 2 * (last - first) * self.device.tp_allreduce_time(payload, self.tp_size)
 
+    def to_torch_csv(self, plan) -> str:
+        """``plan`` in torch.distributed.pipelining's compute-only CSV schedule format (one row per rank, actions
+        ``{stage}F{microbatch}`` / ``{stage}B{microbatch}``, as ``PipelineScheduleMulti._load_csv`` reads), with
+        stage ``i`` the chunk at position ``i`` of :meth:`chunk_order`.  torch's runtime adds the sends and receives
+        and passes each stage's outputs to the next, so values that skip stages must be carried through them there.
+
+        Raises:
+            PlanError: the plan is not representable: a stage in sub-microbatches (DIP's plans; the templates run
+                encoders whole), a recomputed stage, or a (chunk, microbatch) without stages (torch runs every
+                stage for every microbatch: a text-only microbatch skips the encoder).
+        """
+        from .plan import PlanError
+
+        pos = {c: i for i, c in enumerate(self.chunk_order())}
+        seen: dict[tuple[str, int, int], int] = {}
+        rows = []
+        n_mb = len(plan.microbatches) or 1 + max(a.mb for acts in plan.ranks for a in acts if a.kind in ("F", "B"))
+        for acts in plan.ranks:
+            row = []
+            for a in acts:
+                if a.kind not in ("F", "B"):
+                    continue
+                if a.strategy == "recompute":
+                    raise PlanError(f"{a} recomputes: torch.distributed.pipelining schedules have no per-stage "
+                                    "recompute")
+                key = (a.kind, a.chunk, a.mb)
+                seen[key] = seen.get(key, 0) + 1
+                if seen[key] > 1:
+                    raise PlanError(f"chunk {a.chunk} runs microbatch {a.mb} in sub-microbatches: not representable "
+                                    "in torch.distributed.pipelining (use a template: dipc.schedules())")
+                row.append(f"{pos[a.chunk]}{a.kind}{a.mb}")
+            rows.append(",".join(row))
+        missing = [(c, m) for c in pos for m in range(n_mb) if ("F", c, m) not in seen]
+        if missing:
+            raise PlanError(f"chunk {missing[0][0]} has no stage for microbatch {missing[0][1]} ({len(missing)} such): "
+                            "torch.distributed.pipelining runs every stage for every microbatch")
+        return "\n".join(rows) + "\n"
+
     def chunk_order(self) -> list[int]:
         """Every chunk index in a topological order of the chunks' data flow (the captures seen so far): the
         encoders' chunks before the loss's modality (the backbone) where both are free, then by modality and index.
@@ -522,6 +564,27 @@ class CompiledPipeline:
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule)
 
 
+def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:
+    """Node name -> parameter elements it is the first to read (each parameter counted once, at its first
+    consumer), so that a partition balanced by these weights splits the model by parameter count."""
+    sizes = {}
+    for n in cap.graph.nodes:
+        kind, fqn = cap.state_targets.get(n.name, (None, None))
+        if n.op == "placeholder" and kind == "parameter":
+            v = n.meta.get("val")
+            sizes[n.name] = float(v.numel()) if v is not None else 0.0
+    out: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        if n.op != "call_function":
+            continue
+        w = 0.0
+        for a in n.all_input_nodes:
+            if a.name in sizes:
+                w += sizes.pop(a.name)
+        out[n.name] = w
+    return out
+
+
 def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
             modalities: Mapping[str, Sequence[str]] | None = None,
             chunks_per_rank: Mapping[str, int] | None = None,
@@ -532,7 +595,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             loss_key: str = "loss", device=None, check: bool | None = None,
             split_points: Mapping[str, Sequence[str]] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
-            tp_size: int = 1) -> CompiledPipeline:
+            tp_size: int = 1, balance: str = "time") -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -574,6 +637,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             by T (Megatron's column/row split with sequence parallelism) and each block pays two TP all-reduces per
             direction on the profile's ``tp_bandwidth`` (:meth:`CompiledPipeline.tp_comm_seconds`); pipeline
             messages are split over the T GPUs' links.  Default 1.
+        balance: what the partition balances chunks by: "time" (default: the cost model's forward + backward time,
+            on ``device`` when given) or "params" (parameter count, as Megatron-LM splits layers; the paper's
+            Megatron baseline).
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -597,6 +663,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    if balance not in ("time", "params"):
+        raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
     auto_b: set[str] = set()
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
@@ -621,7 +689,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
-                                static_keys=tuple(static_keys), tp_size=tp_size)
+                                static_keys=tuple(static_keys), tp_size=tp_size, balance=balance)
     if compiled.check:
         check_pipeline(compiled, example_batch)
     return compiled

@@ -553,19 +553,40 @@ class Executor:
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def activation_budget(compiled, memory_limit: float | None = None) -> list[float | None]:
-    """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
-    device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients, AdamW states,
-    :meth:`dipc.CompiledPipeline.rank_state_bytes`); ``None`` per rank when neither is known.
+def check_memory_limit(memory_limit) -> float | None:
+    """``memory_limit`` as a float, or None.
 
     Raises:
+        ValueError: not None and not a finite number > 0 (a bool, a list, a string, NaN, infinity, <= 0), naming
+            the value.
+    """
+    import math
+
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+            or not math.isfinite(memory_limit) or memory_limit <= 0:
+        raise ValueError(f"memory_limit must be a finite number of bytes per device > 0 (or None for the device "
+                         f"profile's capacity), got {memory_limit!r}")
+    return float(memory_limit)
+
+
+def activation_budget(compiled, memory_limit: float | None = None, optimizer_states: int = 2) -> list[float | None]:
+    """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
+    device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients and
+    ``optimizer_states`` optimizer tensors per parameter, :meth:`dipc.CompiledPipeline.rank_state_bytes`; the
+    runtime budgets for AdamW's 2); ``None`` per rank when neither is known.
+
+    Raises:
+        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`).
         PlanError: a rank's static bytes alone exceed the limit.
     """
     dev = compiled.device
+    memory_limit = check_memory_limit(memory_limit)
     cap = memory_limit if memory_limit is not None else (dev.memory_capacity if dev is not None else None)
     if cap is None:
         return [None] * compiled.pp_size
-    static = compiled.rank_state_bytes()
+    static = compiled.rank_state_bytes(optimizer_states)
     out = []
     for r, st in enumerate(static):
         if st > cap:
@@ -576,7 +597,7 @@ def activation_budget(compiled, memory_limit: float | None = None) -> list[float
 
 
 def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
-              memory_limit: float | None = None, schedule: str = "dip") -> Plan:
+              memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2) -> Plan:
     """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
     (for callers that validate it themselves).
 
@@ -599,7 +620,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     dev = compiled.device
     T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
     comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors) / T)) if dev is not None else None
-    limits = activation_budget(compiled, memory_limit)
+    limits = activation_budget(compiled, memory_limit, optimizer_states)
     graph = workload.graph
     P = compiled.pp_size
 
@@ -611,7 +632,9 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     encoders = [m for m in compiled.partition.modalities if m != backbone]
     if t.kind == "interleave":
         first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
-        sched = _interleave(graph, P, comm, limits, recompute_cost, first)
+        seeds = ([fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
+                 if any(x is not None for x in limits) else [])
+        sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds)
     else:
         if t.kind == "fixed":
             order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
@@ -639,13 +662,14 @@ def _copy_stages(graph: StageGraph) -> StageGraph:
 WINDOWS = (1.5, 2, 3, 4)
 
 
-def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None):
+def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=()):
     """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets.  Without a limit: one list
     schedule.  With one: the best simulated of a few candidates (a first, fixed search over orders; the MCTS
     priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
     oldest recomputes when it does not fit), and orders made without a limit - each window W in :data:`WINDOWS`
-    (W x P microbatches in flight per rank) and the encoder-first order (``encoder_first``: the extra precedence
-    edges, Optimus' coarse order) - whose stages then recompute until they fit
+    (W x P microbatches in flight per rank), the encoder-first order (``encoder_first``: the extra precedence
+    edges, Optimus' coarse order) and ``seeds`` (fixed per-rank orders: the 1F1B and MIMO templates' orders on
+    these sub-microbatched stages) - whose stages then recompute until they fit
     (:func:`dipc.schedule.fit_by_recompute`) and go back to "keep" where memory is left
     (:func:`dipc.schedule.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
     written into ``graph``.
@@ -664,9 +688,17 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     orders = [dict(window=max(1, round(w * P))) for w in WINDOWS]
     if encoder_first:
         orders.append(dict(extra=encoder_first))
+    orders += [dict(fixed=s) for s in seeds]
     for o in orders:
         g = _copy_stages(graph)
-        if "extra" in o:
+        if "fixed" in o:
+            order = o["fixed"]
+            try:
+                timed_schedule(g, order)  # a seed that deadlocks on these stages is skipped
+            except PlanError as e:
+                errs.append(e)
+                continue
+        elif "extra" in o:
             order = list_schedule(StageGraph(stages=g.stages, edges=g.edges + o["extra"]), P, comm_time=comm).order
         else:
             order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
@@ -775,7 +807,8 @@ class PipelineRuntime:
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip"):
         from .codegen.templates import template
 
-        template(schedule)  # unknown names raise here, on every rank
+        template(schedule)  # unknown names and bad limits raise here, on every rank
+        memory_limit = check_memory_limit(memory_limit)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -892,10 +925,10 @@ class PipelineRuntime:
         if self.rank == 0:
             try:
                 plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit,
-                                 schedule=schedule or self.schedule)
+                                 schedule=self.schedule if schedule is None else schedule)
                 payload = [(self.step_index, plan.digest(), plan.to_json(), mine)]
-            except PlanError as e:  # every rank raises it, instead of waiting for a plan
-                payload = [(self.step_index, None, str(e), mine)]
+            except Exception as e:  # every rank raises it, instead of waiting for a plan
+                payload = [(self.step_index, None, f"{type(e).__name__}: {e}", mine)]
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         dist.broadcast_object_list(payload, src=src, group=self.group)
         step, digest, text, theirs = payload[0]
@@ -943,7 +976,9 @@ class PipelineRuntime:
         if self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
-        schedule = schedule or self.schedule
+        schedule = self.schedule if schedule is None else schedule
+        from .codegen.templates import template
+        template(schedule)  # an unknown name raises on every rank, before any communication
         mbs = split_for(self.compiled, batch, self.n_microbatches if n_microbatches is None else n_microbatches,
                         schedule)
         w, plan = self.plan_step(mbs, schedule)

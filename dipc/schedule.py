@@ -285,12 +285,16 @@ def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recom
     if cands:
         e, r = min(cands, key=lambda x: x[0])
         st = graph.stages[e[-1]]
-        raise error(f"rank {r} cannot keep {st.key}: it needs {st.activation_bytes:.4g} bytes of activations "
-                    f"({st.strategy}) on top of {live[r]:.4g} live, over its limit of {limits[r]:.4g} bytes; give "
-                    "the pipeline more memory, more ranks, or smaller microbatches")
+        least = st.activation_bytes
+        if recompute_cost is not None and st.strategy != "recompute":
+            least = min(least, recompute_cost(st)[0])
+        raise error(f"rank {r} cannot keep {st.key}: it needs {least:.4g} bytes of activations even recomputed "
+                    f"({st.activation_bytes:.4g} kept whole) on top of {live[r]:.4g} live, over its activation "
+                    f"budget of {limits[r]:.4g} bytes (the memory limit less the rank's parameters, gradients and "
+                    "optimizer states); give the pipeline more memory, more ranks, or smaller microbatches")
     r = next(r for r in range(len(queues)) if queues[r]["F"])
-    raise error(f"rank {r} is over its memory limit of {limits[r]:.4g} bytes with {live[r]:.4g} live and no "
-                "backward to free it")
+    raise error(f"rank {r} is over its activation budget of {limits[r]:.4g} bytes (the memory limit less its "
+                f"static bytes) with {live[r]:.4g} live and no backward to free it")
 
 
 def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step: int = 0,
@@ -517,8 +521,9 @@ def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: 
                     cands.append(((st.activation_bytes - kept) / max(extra, 1e-12), st, kept, extra))
             if not cands:
                 raise PlanError(f"rank {r} keeps {peak:.4g} bytes of activations at its peak ({ks[at]}) with every "
-                                f"stage live there recomputed, over its limit of {limits[r]:.4g} bytes; give the "
-                                "pipeline more memory, more ranks, or smaller microbatches")
+                                f"stage live there recomputed, over its activation budget of {limits[r]:.4g} bytes "
+                                "(the memory limit less the rank's parameters, gradients and optimizer states); give "
+                                "the pipeline more memory, more ranks, or smaller microbatches")
             excess = peak - limits[r]
             if uniform:  # the best chunk live at the peak, for all its microbatches
                 by_chunk: dict[int, list] = defaultdict(list)

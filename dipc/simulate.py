@@ -225,7 +225,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     (:meth:`dipc.device.DeviceProfile.allreduce_time`).
 
     ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
-    plan keeps each rank's static bytes plus live activations under it (:func:`dipc.runtime.activation_budget`).
+    plan keeps each rank's static bytes (with ``optimizer_states``, as ``static_bytes`` defaults to) plus live
+    activations under it (:func:`dipc.runtime.activation_budget`).
 
     ``recompute``: the stages that recompute their forward in their backward (``True``: all; a predicate on the
     forward :class:`dipc.schedule.Stage`): they keep only their inputs and their backward costs the forward again.
@@ -246,7 +247,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
-    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule)
+    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states)
     if static_bytes is None:
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:

@@ -55,6 +55,9 @@ from typing import Iterator
 import torch
 
 __all__ = [
+    "rise_and_fall_bounds",
+    "rise_and_fall_trace",
+    "paper_vlm_counts_batch",
     "PAPER_MIXES",
     "paper_vlm_batch",
     "PAPER_SEQ_LEN",
@@ -414,3 +417,63 @@ def paper_vlm_batch(config, n_rows: int, seed: int, mix: str = "mixed", max_imag
     shape = (n_images, 3, size, size)
     pixels = torch.empty(shape, device="meta") if pixels_on_meta else torch.randn(shape, generator=rng.g)
     return {"input_ids": ids, "pixel_values": pixels, "labels": labels}
+
+
+def rise_and_fall_bounds(iteration: int) -> tuple[int, int]:
+    """Bounds ``(low, high)`` on the image count per microbatch at ``iteration`` (0-based) of the paper's
+    dynamic-workload experiment (PAPER.md §3.2, VLM-S, 40 iterations, two cycles of 20): rise over iterations 1-5
+    (the lower bound grows from 0 to 16, the upper bound stays at 32), then fall over iterations 6-20 (both shrink
+    to 0).  The linear steps between the published end points are an assumption."""
+    j = iteration % 20
+    if j < 5:
+        return round(16 * j / 4), 32
+    frac = (19 - j) / 14
+    return round(16 * frac), round(32 * frac)
+
+
+def paper_vlm_counts_batch(config, counts, seed: int, pixels_on_meta: bool = True) -> dict[str, torch.Tensor]:
+    """One packed 8192-token sequence per entry of ``counts`` holding exactly ``counts[b]`` images (169 tokens
+    each, <= 48), the rest interleaved text: the images spread evenly through the sequence with text runs between
+    them.  Same keys and shapes as :func:`paper_vlm_batch`.
+
+    Raises:
+        ValueError: a count outside 0..48.
+    """
+    T = config.tokens_per_image
+    g = torch.Generator().manual_seed(seed)
+    seq = PAPER_SEQ_LEN
+    ids = torch.full((len(counts), seq), config.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(counts), seq), IGNORE_INDEX, dtype=torch.long)
+    for b, k in enumerate(counts):
+        if not 0 <= k <= PAPER_MAX_IMAGES:
+            raise ValueError(f"counts[{b}] = {k}: a packed sequence holds 0..{PAPER_MAX_IMAGES} images")
+        text = seq - 2 - k * T
+        toks = torch.randint(3, config.vocab_size, (text,), generator=g)
+        toks[toks == config.image_token_id] = 3
+        ids[b, 0] = config.bos_token_id
+        pos, used = 1, 0
+        for i in range(k + 1):
+            n = (text * (i + 1)) // (k + 1) - used
+            ids[b, pos:pos + n] = toks[used:used + n]
+            labels[b, pos:pos + n] = toks[used:used + n]
+            pos, used = pos + n, used + n
+            if i < k:
+                ids[b, pos:pos + T] = config.image_token_id
+                pos += T
+        ids[b, pos] = config.eos_token_id
+        labels[b, pos] = config.eos_token_id
+    n_images = int(sum(counts))
+    size = config.vision.image_size
+    shape = (n_images, 3, size, size)
+    pixels = torch.empty(shape, device="meta") if pixels_on_meta else torch.randn(shape, generator=g)
+    return {"input_ids": ids, "pixel_values": pixels, "labels": labels}
+
+
+def rise_and_fall_trace(config, n_rows: int, iterations: int = 40, seed: int = 0):
+    """The paper's dynamic-workload trace (PAPER.md §3.2): per iteration, ``n_rows`` packed sequences whose image
+    counts are uniform in :func:`rise_and_fall_bounds` (iteration); yields ``(iteration, (low, high), batch)``."""
+    g = torch.Generator().manual_seed(seed)
+    for it in range(iterations):
+        lo, hi = rise_and_fall_bounds(it)
+        counts = torch.randint(lo, hi + 1, (n_rows,), generator=g).tolist()
+        yield it, (lo, hi), paper_vlm_counts_batch(config, counts, seed * 1000 + it)

@@ -172,7 +172,9 @@ class TimestepEmbedding(nn.Module):
         self.linear_2 = nn.Linear(dim, dim)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(timestep_embedding(t, self.freq_dim))))
+        # the sinusoid in fp32, then the module's dtype (a bf16 model stays bf16)
+        emb = timestep_embedding(t, self.freq_dim).to(self.linear_1.weight.dtype)
+        return self.linear_2(self.act(self.linear_1(emb)))
 
 
 class CrossAttention(nn.Module):

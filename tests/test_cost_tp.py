@@ -114,3 +114,29 @@ def test_paper_batches_follow_the_published_statistics():
     assert laion["pixel_values"].shape[0] > obelics["pixel_values"].shape[0]
     with pytest.raises(ValueError, match="unknown mix 'web'"):
         paper_vlm_batch(cfg, 1, 0, mix="web")
+
+
+def test_balance_by_parameters_as_megatron_splits_layers():
+    """``balance="params"``: each modality's chunks hold about equal parameter counts (Megatron-LM's split) instead
+    of equal time; the pipeline still gives the unsplit model's gradients."""
+    from dipc.testing import local_check
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 4)
+    spread = {}
+    for bal in ("time", "params"):
+        c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, balance=bal,
+                         chunks_per_rank={"vision": 1, "text": 2})
+        worst = 1.0
+        for mod in c.partition.modalities:
+            counts = []
+            for ch in c.partition.chunks:
+                if ch.modality == mod:
+                    cm = c.program.chunks[ch.index]
+                    counts.append(sum(c._state[n].numel() for n in cm.state_names
+                                      if isinstance(c._state.get(n), torch.nn.Parameter)))
+            worst = max(worst, max(counts) / max(min(counts), 1))
+        spread[bal] = worst
+        local_check(model, c, pc.vlm_batch([0, 2, 1, 3], 14, 3), 2)
+    assert spread["params"] < spread["time"] and spread["params"] < 1.5, spread
+    with pytest.raises(ValueError, match="balance must be 'time' or 'params', got 'flops'"):
+        dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, balance="flops")
