@@ -233,7 +233,12 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
         if order_r[pair] != msgs:
             raise PlanError(f"messages from rank {pair[0]} to rank {pair[1]} are sent in order {msgs} but received "
                             f"in order {order_r[pair]}")
-    # dependencies
+    # dependencies: a cross-rank one needs a receive from it before the stage (first receive per pair of stages)
+    first_recv: dict[tuple[int, str, str], int] = {}
+    for r, acts in enumerate(plan.ranks):
+        for j, v in enumerate(acts):
+            if v.kind in RECVS:
+                first_recv.setdefault((r, v.stage, v.peer_stage), j)
     for st, deps in plan.deps.items():
         if st not in where:
             raise PlanError(f"stage {st} has dependencies but no action")
@@ -247,9 +252,7 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                     raise PlanError(f"on rank {r}, {plan.ranks[r][i]} runs before its dependency "
                                     f"{plan.ranks[dr][di]}")
             else:
-                ok = any(v.stage == st and v.peer_stage == d and j < i
-                         for j, v in enumerate(plan.ranks[r]) if v.kind in RECVS)
-                if not ok:
+                if first_recv.get((r, st, d), i) >= i:
                     raise PlanError(f"{plan.ranks[r][i]} on rank {r} depends on {plan.ranks[dr][di]} on rank {dr} "
                                     "but receives nothing from it before running")
     for st, (r, i) in where.items():

@@ -181,7 +181,7 @@ def test_template_plans_export_to_torch_pipelining_csv(vlm2, tmp_path):
 def _four_ranks(rank, world):
     from dipc.testing import reference_check
     errs = {}
-    for name in ("gpipe", "1f1b"):
+    for name in ("gpipe",):  # 1f1b, mimo and optimus run on 2 ranks above
         errs[name] = reference_check(rank, world, "pipeline_cases:vlm", (False,), "pipeline_cases:vlm_batches_4ranks",
                                      (), compile_kwargs={"sub_microbatch_size": {"vision": 2}}, n_microbatches=4,
                                      check_state_dict=False, runtime_kwargs={"schedule": name})["grad_err"]
@@ -217,7 +217,7 @@ def test_the_plan_and_the_simulator_count_the_same_optimizer_states():
     c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, device=DeviceProfile.load("h100"),
                      sub_microbatch_size={"vision": 1}, check=False)
     b = pc.vlm_batch([2, 1, 3, 1], 16, 2)
-    for k in (0, 4):
+    for k in (4,):  # more states than the AdamW default the runtime budgets for
         static = c.rank_state_bytes(k)
         for name in schedules():
             free, _ = dipc.simulate(c, b, 4, schedule=name, memory_limit=1e15, optimizer_states=k)
