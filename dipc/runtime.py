@@ -627,22 +627,23 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     def recompute_cost(st):
         return _input_bytes(workload, st.key), st.latency
 
-    chunk_order = compiled.chunk_order()
-    backbone = compiled.partition.chunks[chunk_order[-1]].modality
-    encoders = [m for m in compiled.partition.modalities if m != backbone]
-    if t.kind == "interleave":
+    limited = any(x is not None for x in limits)
+    if t.kind == "interleave" and not limited:  # the common path: one list schedule
+        sched = list_schedule(graph, P, comm_time=comm)
+    elif t.kind == "interleave":
+        chunk_order, encoders = _virtual_stages(compiled)
         first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
-        seeds = ([fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
-                 if any(x is not None for x in limits) else [])
+        seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
         sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds)
     else:
+        chunk_order, encoders = _virtual_stages(compiled)
         if t.kind == "fixed":
             order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
         else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
             extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
             order = list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P,
                                   comm_time=comm).order
-        if any(x is not None for x in limits):  # the recompute its users turn on: whole chunks (Optimus is in DIP)
+        if limited:  # the recompute its users turn on: whole chunks (Optimus is in DIP)
             fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")
         sched = timed_schedule(graph, order, comm_time=comm)
     plan = lower(graph, sched, chunk_ranks, step=step,
@@ -654,6 +655,13 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     return plan
 
 
+def _virtual_stages(compiled) -> tuple[list[int], list[str]]:
+    """(chunks in topological order, the encoder modalities: every one but the loss chunk's)."""
+    chunk_order = compiled.chunk_order()
+    backbone = compiled.partition.chunks[chunk_order[-1]].modality
+    return chunk_order, [m for m in compiled.partition.modalities if m != backbone]
+
+
 def _copy_stages(graph: StageGraph) -> StageGraph:
     return StageGraph(stages={k: dataclasses.replace(st) for k, st in graph.stages.items()}, edges=graph.edges)
 
@@ -663,8 +671,8 @@ WINDOWS = (1.5, 2, 3, 4)
 
 
 def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=()):
-    """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets.  Without a limit: one list
-    schedule.  With one: the best simulated of a few candidates (a first, fixed search over orders; the MCTS
+    """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets (without one, :func:`make_plan`
+    runs one list schedule): the best simulated of a few candidates (a first, fixed search over orders; the MCTS
     priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
     oldest recomputes when it does not fit), and orders made without a limit - each window W in :data:`WINDOWS`
     (W x P microbatches in flight per rank), the encoder-first order (``encoder_first``: the extra precedence
@@ -677,8 +685,6 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     Raises:
         PlanError: no candidate fits (the first error met).
     """
-    if all(x is None for x in limits):
-        return list_schedule(graph, P, comm_time=comm)
     cands, errs = [], []
     g = _copy_stages(graph)
     try:
