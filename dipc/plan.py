@@ -157,10 +157,20 @@ class Plan:
 
     @staticmethod
     def from_json(text: str) -> "Plan":
-        d = json.loads(text)
-        return Plan(step=d["step"], chunk_ranks=d["chunk_ranks"],
-                    ranks=[[Action.from_json(a) for a in acts] for acts in d["ranks"]], deps=d["deps"],
-                    microbatches=d.get("microbatches", []), simulated=d.get("simulated", {}))
+        """The plan :meth:`to_json` wrote.
+
+        Raises:
+            PlanError: ``text`` is not JSON, or not a plan (a field missing or of the wrong type), naming what.
+        """
+        try:
+            d = json.loads(text)
+            plan = Plan(step=int(d["step"]), chunk_ranks=[int(r) for r in d["chunk_ranks"]],
+                        ranks=[[Action.from_json(a) for a in acts] for acts in d["ranks"]],
+                        deps={str(k): [str(x) for x in v] for k, v in d["deps"].items()},
+                        microbatches=list(d.get("microbatches", [])), simulated=dict(d.get("simulated", {})))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PlanError(f"not a dipc plan: {type(e).__name__}: {e}") from None
+        return plan
 
     def digest(self) -> str:
         """SHA-256 of the JSON form: every rank checks it before executing."""
@@ -182,7 +192,8 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
 
     Raises:
         PlanError: naming the first problem found (unmatched send/receive, tensor mismatch, out-of-order
-            messages between a rank pair, missing/duplicate/misplaced stage, broken dependency, deadlock).
+            messages between a rank pair, missing/duplicate/misplaced stage, broken dependency, deadlock, an
+            incomplete plan: a forward without its backward or the other way round, a microbatch without stages).
     """
     sends: dict[int, tuple[int, int, Action]] = {}
     recvs: dict[int, tuple[int, int, Action]] = {}
@@ -266,7 +277,21 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
             if plan.ranks[fr][fi].strategy != a.strategy:
                 raise PlanError(f"{plan.ranks[fr][fi]} has memory strategy {plan.ranks[fr][fi].strategy!r} but its "
                                 f"backward {a} has {a.strategy!r}")
-    return dry_run(plan)
+    order = dry_run(plan)
+    # complete: every forward has its backward and the other way round, every microbatch has stages
+    for st, (r, i) in where.items():
+        a = plan.ranks[r][i]
+        other = stage_key("B" if a.kind == "F" else "F", a.chunk, a.mb, a.sub)
+        if other not in where:
+            raise PlanError(f"the plan is incomplete: {a} on rank {r} has no {'backward' if a.kind == 'F' else 'forward'}"
+                            f" ({other})")
+    if plan.microbatches:
+        have = {a.mb for acts in plan.ranks for a in acts if a.kind in COMPUTE}
+        missing = sorted(set(range(len(plan.microbatches))) - have)
+        if missing:
+            raise PlanError(f"the plan is incomplete: microbatch(es) {missing[:5]} of {len(plan.microbatches)} have "
+                            "no stage")
+    return order
 
 
 def incoming_messages(plan: Plan) -> dict[str, list[int]]:

@@ -104,3 +104,31 @@ def test_lowered_plans_always_validate(p, m, tf, tb):
     plan = lower(g, list_schedule(g, p), list(range(p)))
     validate(plan)
     assert sum(a.kind in ("F", "B") for acts in plan.ranks for a in acts) == 2 * p * m
+
+
+def test_validate_refuses_incomplete_plans_and_from_json_malformed_text():
+    """A plan missing a backward (or a forward, or a whole microbatch) would run and return a wrong loss: refused."""
+    import dataclasses as dc
+    from dipc.plan import Plan, PlanError, validate
+    from dipc.schedule import list_schedule, lower
+    from stage_graphs import chain_graph
+    g = chain_graph(2, 3)
+    plan = lower(g, list_schedule(g, 2), [0, 1], microbatches=[{}, {}, {}])
+    validate(plan)
+    for kind in ("B", "F"):
+        bad = dc.replace(plan, ranks=[list(a) for a in plan.ranks], deps={})
+        r, i = next((r, i) for r, acts in enumerate(bad.ranks) for i, a in enumerate(acts)
+                    if a.kind == kind and a.chunk == 0 and a.mb == 1)
+        del bad.ranks[r][i]
+        lacks = "backward" if kind == "B" else "forward"
+        with pytest.raises(PlanError, match=f"the plan is incomplete: .* has no {lacks}"):
+            validate(bad)
+    wider = dc.replace(plan, microbatches=[{}, {}, {}, {}])
+    with pytest.raises(PlanError, match=r"microbatch\(es\) \[3\] of 4 have no stage"):
+        validate(wider)
+    assert Plan.from_json(plan.to_json()).digest() == plan.digest()
+    for text, why in (("not json", "JSONDecodeError"), ('{"step": 0}', "KeyError"),
+                      ('{"step": 0, "chunk_ranks": [0], "ranks": [[{"kind": "F", "nope": 1}]], "deps": {}}',
+                       "TypeError")):
+        with pytest.raises(PlanError, match=f"not a dipc plan: {why}"):
+            Plan.from_json(text)
