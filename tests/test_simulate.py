@@ -97,7 +97,7 @@ def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     got = {}
     for overhead, half in ((0.0, 0.0), (2e-6, 0.0), (0.0, 1e9)):
         torch.manual_seed(0)
-        c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2,
+        c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, check=False,  # the rule, not the gradients
                          device=dataclasses.replace(base, launch_overhead=overhead, matmul_half_flops=half))
         got[overhead, half] = c.batch_spec.instances[0].sub_microbatch_size
         assert "B_i by the DIP rule" in c.describe()
@@ -105,7 +105,8 @@ def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     assert 1 <= got[0.0, 0.0] < got[2e-6, 0.0] <= 64
     assert got[0.0, 0.0] < got[0.0, 1e9] <= 64  # the small-matrix efficiency curve too
     torch.manual_seed(0)
-    c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, sub_microbatch_size={"vision": 3})
+    c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, sub_microbatch_size={"vision": 3},
+                     check=False)
     assert c.batch_spec.instances[0].sub_microbatch_size == 3
 
 
