@@ -8,12 +8,20 @@ stage's priority here favours earlier microbatches) and without the memory ILP (
   ``t_last``, alternate with the kind of the rank's last stage (Megatron-style 1F1B); otherwise take the stage that
   can start earliest; schedule it at ``max(t_last, t_start)`` and release its successors, adding the transfer time
   of edges that cross ranks;
+* among stages ready by ``t_last`` the highest priority runs (the oldest microbatch by default); the paper's step 4
+  takes the smallest ``t_start``, which made every encoder forward of a batch run before the backbone;
 * memory limit per rank (bytes of activations kept from forwards to backwards, DESIGN.md "Memory"): a forward of
   microbatch ``m`` is admitted only if the rank stays under its limit while keeping room for the forwards every
-  older unfinished microbatch still has to run there, so microbatches can always complete in order and their
-  backwards free memory (no deadlock however early encoder forwards are ready); when nothing is admissible anywhere, the oldest
-  microbatch's next forward switches to the "recompute" strategy if that fits (``recompute_cost``), else
-  :class:`dipc.plan.PlanError` names the rank, the bytes needed and the limit.
+  older unfinished microbatch still has to run there (at their recomputed size when ``recompute_cost`` is given),
+  so microbatches can always complete in order and their backwards free memory (no deadlock however early encoder
+  forwards are ready); a rank's oldest queued forward that does not fit switches to the "recompute" strategy if
+  that fits, and when nothing is admissible anywhere the oldest microbatch's next forward does, else
+  :class:`dipc.plan.PlanError` names the rank, the bytes needed and the activation budget;
+* ``window``: at most that many microbatches in flight per rank (1F1B's bound; DIP's planner tries several).
+
+Fixed orders (the schedule templates, :mod:`dipc.codegen.templates`) are timed by :func:`timed_schedule`, fitted to
+a memory limit by :func:`fit_by_recompute` and given back memory by :func:`relax_recompute` (a greedy stand-in for
+DIP's per-rank memory ILP, §2.5).
 
 :func:`lower` turns the per-rank order into a :class:`dipc.plan.Plan`: a ``SEND`` right after the stage that
 produces a message, and the matching ``RECV`` posted on the receiver one compute action ahead of the first stage

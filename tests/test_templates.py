@@ -178,21 +178,18 @@ def test_template_plans_export_to_torch_pipelining_csv(vlm2, tmp_path):
         c.to_torch_csv(plan)
 
 
-def _four_ranks(rank, world):
-    from dipc.testing import reference_check
-    errs = {}
-    for name in ("gpipe",):  # 1f1b, mimo and optimus run on 2 ranks above
-        errs[name] = reference_check(rank, world, "pipeline_cases:vlm", (False,), "pipeline_cases:vlm_batches_4ranks",
-                                     (), compile_kwargs={"sub_microbatch_size": {"vision": 2}}, n_microbatches=4,
-                                     check_state_dict=False, runtime_kwargs={"schedule": name})["grad_err"]
-    return errs
-
-
-@pytest.mark.timeout(300)
-def test_templates_on_four_ranks_equal_the_unsplit_model():
-    from dipc.launch import spawn
-    for errs in spawn(_four_ranks, 4, timeout=280):
-        assert max(errs.values()) < 1e-5, errs
+@pytest.mark.parametrize("p", [3, 4])
+def test_every_template_on_3_and_4_ranks_gives_the_unsplit_gradients(p):
+    """All ranks in one process (run_local executes the plan in a feasible global order, as validate proves);
+    the multi-process executor on 4 ranks is covered by tests/test_pipeline.py and tests/test_zoo.py."""
+    torch.manual_seed(0)
+    model = pc.vlm(False, 2 * p, 2 * p)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), p, sub_microbatch_size={"vision": 1})
+    for counts in ([0, 2, 1, 0, 3, 0, 1], [2, 1, 0, 3, 0, 1, 1]):
+        b = pc.vlm_batch(counts, 18, 5)
+        for name in schedules():
+            for n in (len(counts), 3):
+                local_check(model, c, b, n, schedule=name)
 
 
 def test_bad_limits_and_schedules_are_refused_before_planning(vlm2):
