@@ -248,20 +248,11 @@ def main(argv=None) -> int:
         "(paper: +25.3%; here every schedule is held to 80 GB).")
     out()
     if args.out:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for s, r in runs.items():
-            tl = sorted(r["res"].memory_timeline[0])
-            ax.step([t for t, _ in tl], [v / GB for _, v in tl], where="post", label=s)
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("rank 0 memory (GB per GPU)")
-        ax.set_title(f"{name}, 32 microbatches, H800 80 GB (simulated)")
-        ax.legend()
         png = os.path.join(os.path.dirname(args.out), "benchmarks_memory.png")
-        fig.tight_layout()
-        fig.savefig(png, dpi=110)
+        _figure(png, "time (s)", "rank 0 memory (GB per GPU)", f"{name}, 32 microbatches, H800 80 GB (simulated)",
+                lambda ax: [ax.step([t for t, _ in sorted(r["res"].memory_timeline[0])],
+                                    [v / GB for _, v in sorted(r["res"].memory_timeline[0])], where="post", label=s)
+                            for s, r in runs.items()])
         out(f"![rank-0 memory over time]({os.path.basename(png)})")
         out()
     # --- the dynamic workload (VLM-S, rise-and-fall trace of 40 iterations)
@@ -290,21 +281,32 @@ def main(argv=None) -> int:
         "still 10.4% slower).")
     out()
     if args.out:
-        fig, ax = plt.subplots(figsize=(8, 3.5))
-        for sname in ("1f1b", "mimo", "optimus", "dip"):
-            ax.plot([it + 1 for it, _ in trace], [t[sname] for _, t in trace], marker=".", label=sname)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("iteration time (s, simulated)")
-        ax.set_title(f"VLM-S, rise-and-fall trace, {n_dyn} microbatches, H800 80 GB")
-        ax.legend()
         png2 = os.path.join(os.path.dirname(args.out), "benchmarks_dynamic.png")
-        fig.tight_layout()
-        fig.savefig(png2, dpi=110)
+        _figure(png2, "iteration", "iteration time (s, simulated)",
+                f"VLM-S, rise-and-fall trace, {n_dyn} microbatches, H800 80 GB",
+                lambda ax: [ax.plot([it + 1 for it, _ in trace], [t[sname] for _, t in trace], marker=".",
+                                    label=sname) for sname in ("1f1b", "mimo", "optimus", "dip")])
         out(f"![iteration time over the dynamic trace]({os.path.basename(png2)})")
         out()
     out("Not in this benchmark (see the module docstring): Megatron VPP on a one-segment parameter-balanced "
         "partition, the MCTS and ILP rungs, real execution against torch.distributed.pipelining.")
     return _write(args.out, lines)
+
+
+def _figure(path, xlabel, ylabel, title, draw) -> None:
+    """One line plot written as a PNG: ``draw(ax)`` adds the series."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _write(path, lines) -> int:

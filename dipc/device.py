@@ -307,13 +307,7 @@ class DeviceProfile:
         Raises:
             ValueError: ``nbytes`` negative or ``tp_size`` < 1.
         """
-        if nbytes < 0 or tp_size < 1:
-            raise ValueError(f"tp_allreduce_time needs nbytes >= 0 and tp_size >= 1, got {nbytes}, {tp_size}")
-        if tp_size == 1:
-            return 0.0
-        bw = self.tp_bandwidth or self.p2p_bandwidth
-        steps = 2 * (tp_size - 1)
-        return steps * self.p2p_latency + steps / tp_size * self.alpha_for("p2p") * nbytes / bw
+        return self._ring("tp_allreduce_time", nbytes, tp_size, "tp_size", self.tp_bandwidth or self.p2p_bandwidth)
 
     def allreduce_time(self, nbytes: float, n_ranks: int) -> float:
         """Seconds of a ring all-reduce of ``nbytes`` over ``n_ranks`` ranks on the P2P links:
@@ -322,12 +316,16 @@ class DeviceProfile:
         Raises:
             ValueError: ``nbytes`` negative or ``n_ranks`` < 1.
         """
-        if nbytes < 0 or n_ranks < 1:
-            raise ValueError(f"allreduce_time needs nbytes >= 0 and n_ranks >= 1, got {nbytes}, {n_ranks}")
-        if n_ranks == 1:
+        return self._ring("allreduce_time", nbytes, n_ranks, "n_ranks", self.p2p_bandwidth)
+
+    def _ring(self, what: str, nbytes: float, n: int, n_name: str, bandwidth: float) -> float:
+        """Ring all-reduce of ``nbytes`` over ``n`` ranks on links of ``bandwidth`` bytes/s."""
+        if nbytes < 0 or n < 1:
+            raise ValueError(f"{what} needs nbytes >= 0 and {n_name} >= 1, got {nbytes}, {n}")
+        if n == 1:
             return 0.0
-        steps = 2 * (n_ranks - 1)
-        return steps * self.p2p_latency + steps / n_ranks * self.alpha_for("p2p") * nbytes / self.p2p_bandwidth
+        steps = 2 * (n - 1)
+        return steps * self.p2p_latency + steps / n * self.alpha_for("p2p") * nbytes / bandwidth
 
     def bandwidth_for(self, nbytes: float) -> float:
         """Memory bandwidth in bytes/s that an operator moving ``nbytes`` sees: ``cache_bandwidth`` when the profile
