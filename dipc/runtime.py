@@ -602,8 +602,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     (for callers that validate it themselves).
 
     ``schedule``: a template of :func:`dipc.schedules` (:mod:`dipc.codegen.templates`).  "dip" (default) is the
-    memory-aware dual-queue list scheduler (DIP §2.4): forwards are admitted under each rank's activation budget
-    (:func:`activation_budget`) and stages switch to recompute where nothing else fits.  The static templates fix
+    dual-queue list scheduler (DIP §2.4); under each rank's activation budget (:func:`activation_budget`) the
+    fastest simulated of several memory-feasible candidates (:func:`_interleave`).  The static templates fix
     each rank's order first (Optimus: encoder forwards first, then the list scheduler without a limit), then switch
     stages to recompute until every rank fits its budget (:func:`dipc.schedule.fit_by_recompute`).  The plan's
     ``simulated`` records ``schedule`` and ``recomputed`` (the forward-backward pairs that recompute).  The workload
@@ -641,8 +641,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
         else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
             extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
-            order = list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P,
-                                  comm_time=comm).order
+            order = _encoder_first_order(graph, P, comm, extra)
         if limited:  # the recompute its users turn on: whole chunks (Optimus is in DIP)
             fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")
         sched = timed_schedule(graph, order, comm_time=comm)
@@ -660,6 +659,12 @@ def _virtual_stages(compiled) -> tuple[list[int], list[str]]:
     chunk_order = compiled.chunk_order()
     backbone = compiled.partition.chunks[chunk_order[-1]].modality
     return chunk_order, [m for m in compiled.partition.modalities if m != backbone]
+
+
+def _encoder_first_order(graph: StageGraph, P: int, comm, extra: list[Edge]) -> list[list[str]]:
+    """Per-rank order of the list scheduler (no limit) on ``graph`` plus the precedence edges ``extra``
+    (:func:`dipc.codegen.templates.encoder_first_edges`: Optimus' coarse order)."""
+    return list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P, comm_time=comm).order
 
 
 def _copy_stages(graph: StageGraph) -> StageGraph:
@@ -699,22 +704,16 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
         g = _copy_stages(graph)
         if "fixed" in o:
             order = o["fixed"]
-            try:
-                timed_schedule(g, order)  # a seed that deadlocks on these stages is skipped
-            except PlanError as e:
-                errs.append(e)
-                continue
         elif "extra" in o:
-            order = list_schedule(StageGraph(stages=g.stages, edges=g.edges + o["extra"]), P, comm_time=comm).order
+            order = _encoder_first_order(g, P, comm, o["extra"])
         else:
             order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
-        try:
+        try:  # a candidate that cannot fit, or a seed that deadlocks on these stages, is skipped
             fit_by_recompute(g, order, limits, recompute_cost)
+            relax_recompute(g, order, limits)
+            cands.append((timed_schedule(g, order, comm_time=comm), g))
         except PlanError as e:
             errs.append(e)
-            continue
-        relax_recompute(g, order, limits)
-        cands.append((timed_schedule(g, order, comm_time=comm), g))
     if not cands:
         raise errs[0]
     sched, g = min(cands, key=lambda c: c[0].iteration_time)
