@@ -23,7 +23,8 @@ import sympy
 import torch
 import torch.fx
 
-__all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError"]
+__all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError", "chunk_blocks",
+           "recompute_prefix"]
 
 
 class CodegenError(ValueError):
@@ -95,6 +96,8 @@ class ChunkModule:
         output_meta: name -> :class:`ValueMeta` of each output.
         state_names: fully qualified names of the parameters and buffers it reads.
         n_nodes: number of compute nodes.
+        n_blocks: number of the partition's blocks it runs (:func:`chunk_blocks`): the units of per-layer
+            recompute.
     """
 
     chunk: int
@@ -105,6 +108,7 @@ class ChunkModule:
     output_meta: dict[str, ValueMeta]
     state_names: list[str]
     n_nodes: int
+    n_blocks: int = 1
 
 
 def _expr(s):
@@ -272,7 +276,8 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
         if build is None or c in build:
             gm = _make_module(g, state_names, state, {a.target: sub for a, sub in submods})
         out[c] = ChunkModule(chunk=c, gm=gm, inputs=inputs, outputs=list(outputs), loss=loss, output_meta=meta,
-                             state_names=state_names, n_nodes=len(nodes))
+                             state_names=state_names, n_nodes=len(nodes),
+                             n_blocks=len({n.meta.get("dipc_block") for n in nodes}))
     return out
 
 
@@ -304,3 +309,58 @@ def _make_module(g: torch.fx.Graph, names: list[str], state: Mapping[str, torch.
             mod.register_buffer(field, t)
     gm = torch.fx.GraphModule(root, g, class_name="Chunk")
     return gm
+
+
+class _Checkpointed(torch.nn.Module):
+    """Runs ``inner`` under non-reentrant activation checkpointing: its forward keeps only its inputs (and the RNG
+    state), the backward runs it again (torch.utils.checkpoint)."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        import torch.utils.checkpoint as cp
+
+        return cp.checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def chunk_blocks(gm: torch.fx.GraphModule) -> list[int]:
+    """The partition's blocks (``node.meta["dipc_block"]``, :mod:`dipc.passes.blocks`) a chunk module runs, in
+    graph order: the units of per-layer recompute."""
+    out: list[int] = []
+    for n in gm.graph.nodes:
+        b = n.meta.get("dipc_block") if n.op == "call_function" else None
+        if b is not None and b not in out:
+            out.append(b)
+    return out
+
+
+def recompute_prefix(gm: torch.fx.GraphModule, n_blocks: int) -> torch.fx.GraphModule:
+    """A module computing what ``gm`` computes with its first ``n_blocks`` blocks under activation checkpointing:
+    Megatron's ``--recompute-method block --recompute-num-layers n`` for one chunk.  The forward keeps the inputs of
+    those blocks only (plus what the remaining blocks save); the backward re-runs them, with the forward's RNG
+    state.  The prefix is cut in graph order before the first node of block ``n_blocks`` (a topological prefix),
+    with ``torch.fx.passes.split_module``; parameters stay the model's own objects, so gradients accumulate where
+    ``gm``'s would.
+
+    Raises:
+        CodegenError: ``n_blocks`` is not in ``1 .. blocks - 1`` (the chunk's block count; all blocks: use the
+            "recompute" strategy, which also skips the first run's autograd graph).
+    """
+    from torch.fx.passes.split_module import split_module
+
+    blocks = chunk_blocks(gm)
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 1 <= n_blocks < len(blocks):
+        raise CodegenError(f"a chunk of {len(blocks)} blocks cannot recompute its first {n_blocks!r}: use 1 .. "
+                           f"{len(blocks) - 1} (or the 'recompute' strategy for the whole chunk)")
+    stop = blocks[n_blocks]
+    part: dict[torch.fx.Node, int] = {}
+    side = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.meta.get("dipc_block") == stop:
+            side = 1
+        part[n] = side
+    split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
+    split.submod_0 = _Checkpointed(split.submod_0)
+    return split

@@ -16,6 +16,7 @@ import os
 import warnings
 from typing import Any, Mapping, Sequence
 
+import sympy
 import torch
 import torch.fx
 
@@ -30,7 +31,7 @@ from .passes.lossform import loss_form
 from .passes.partition import Partition, apply_partition, partition
 from .program import Program, _bindings, _carries_grad, _check_acyclic, _data_dependent, _tied_dims, index_ranges
 from .families import _auto_instances, _loss_from_form
-from .passes.symcost import annotate_symbolic_cost, compile_costs
+from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
 from .codegen.stage import build_chunk_modules
 from .codegen.source import chunk_source
 
@@ -203,7 +204,42 @@ class CompiledPipeline:
                        sizes=sizes)
         if self.device is not None:
             prog.chunk_costs = self._chunk_costs(cap)
+            prog.block_costs_of = self._block_costs
         return prog
+
+    def _latency_f(self, c) -> sympy.Expr:
+        """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),
+        built once per node: the chunk and the per-block costs share it."""
+        memo = self.__dict__.setdefault("_latency_f_memo", {})
+        hit = memo.get(id(c))
+        if hit is None or hit[0] is not c:
+            T = self.tp_size
+            hit = memo[id(c)] = (c, self.device.op_latency_expr(c.family, c.flops_fwd / T,
+                                                                (c.bytes_read + c.bytes_written) / T))
+        return hit[1]
+
+    def _block_costs(self, prog: Program, chunk: int):
+        """Per block of ``chunk`` in ``prog``'s capture: ``f<j>`` its forward seconds (the roofline of
+        :meth:`_chunk_costs`) and ``a<j>`` the bytes its nodes save for the backward, both per GPU (÷ ``tp_size``),
+        j = the block's position in the chunk; compiled in one ``sympy.lambdify``."""
+        dev, T = self.device, self.tp_size
+        nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
+        blocks: list = []
+        for n in nodes:
+            if n.meta.get("dipc_block") not in blocks:
+                blocks.append(n.meta.get("dipc_block"))
+        exprs = {}
+        for j, b in enumerate(blocks):
+            fs, acts = [], []
+            for n in nodes:
+                c = n.meta.get("dipc_symcost")
+                if c is None or n.meta.get("dipc_block") != b:
+                    continue
+                fs.append(self._latency_f(c))
+                acts.append(c.activation_bytes / T)
+            exprs[f"f{j}"] = sympy.Add(*fs)
+            exprs[f"a{j}"] = sympy.Add(*acts)
+        return CompiledCost(exprs)
 
     def _dip_rules(self, cap: Capture, instances, auto_b: set[str]):
         """DIP §2.1 on the device profile: B_i = the smallest sub-microbatch size keeping >= 95% of module i's peak
@@ -264,8 +300,7 @@ class CompiledPipeline:
             annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
         T = self.tp_size
-        extra = {"latency_f": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T,
-                                                            (c.bytes_read + c.bytes_written) / T),
+        extra = {"latency_f": self._latency_f,
                  "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
         nodes: dict[int, list] = {}
         for n in cap.graph.nodes:
@@ -383,9 +418,9 @@ class CompiledPipeline:
             for a in acts:
                 if a.kind not in ("F", "B"):
                     continue
-                if a.strategy == "recompute":
-                    raise PlanError(f"{a} recomputes: torch.distributed.pipelining schedules have no per-stage "
-                                    "recompute")
+                if a.strategy != "keep":
+                    raise PlanError(f"{a} recomputes ({a.strategy}): torch.distributed.pipelining schedules have no "
+                                    "per-stage recompute")
                 key = (a.kind, a.chunk, a.mb)
                 seen[key] = seen.get(key, 0) + 1
                 if seen[key] > 1:

@@ -26,7 +26,8 @@ import json
 from collections import defaultdict
 from typing import Callable, Iterable
 
-__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key"]
+__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key",
+           "recomputed_blocks"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -54,8 +55,28 @@ class TensorSpec:
         return n * getattr(torch, self.dtype).itemsize
 
 
-#: memory strategies a stage may carry (DESIGN.md "Memory")
+#: memory strategies a stage may carry (DESIGN.md "Memory"); besides these, "recompute:<k>" (k >= 1): the first k
+#: blocks of the chunk recompute (:func:`recomputed_blocks`)
 STRATEGIES = {"keep", "recompute"}
+
+
+def recomputed_blocks(strategy: str) -> int | None:
+    """How much of a chunk a memory strategy recomputes: 0 for "keep", ``None`` for "recompute" (the whole chunk),
+    ``k`` for "recompute:k" (its first k blocks, Megatron's ``--recompute-method block --recompute-num-layers k``).
+
+    Raises:
+        PlanError: not a known strategy (``k`` must be a decimal int >= 1).
+    """
+    if strategy == "keep":
+        return 0
+    if strategy == "recompute":
+        return None
+    if isinstance(strategy, str) and strategy.startswith("recompute:"):
+        k = strategy[len("recompute:"):]
+        if k.isdigit() and int(k) >= 1 and k == str(int(k)):
+            return int(k)
+    raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'recompute:<k>' (k >= 1 "
+                    "blocks)")
 
 
 def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
@@ -75,8 +96,9 @@ class Action:
         msg: message id (unique in a plan), for sends and receives.
         tensors: the message's tensors.
         strategy: memory strategy of a stage, the same on its F and B: "keep" (the forward keeps what autograd
-            saves until the backward) or "recompute" (the forward keeps only its inputs and runs without autograd;
-            the backward runs it again, with the forward's RNG state, then back-propagates).
+            saves until the backward), "recompute" (the forward keeps only its inputs and runs without autograd;
+            the backward runs it again, with the forward's RNG state, then back-propagates) or "recompute:k" (the
+            chunk's first k blocks run under activation checkpointing: per-layer recompute).
     """
 
     kind: str
@@ -104,7 +126,8 @@ class Action:
     def __str__(self) -> str:
         s = f".{self.sub}" if self.sub >= 0 else ""
         if self.kind in COMPUTE:
-            return f"{self.chunk}{self.kind}{self.mb}{s}" + ("r" if self.strategy == "recompute" else "")
+            r = {"keep": "", "recompute": "r"}.get(self.strategy, "r" + self.strategy[len("recompute:"):])
+            return f"{self.chunk}{self.kind}{self.mb}{s}{r}"
         ps = f".{self.peer_sub}" if self.peer_sub >= 0 else ""
         arrow = "->" if self.kind in SENDS else "<-"
         return f"{self.chunk}{self.kind}{self.mb}{s}{arrow}{self.peer_chunk}{ps}"
@@ -268,8 +291,10 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                                     "but receives nothing from it before running")
     for st, (r, i) in where.items():
         a = plan.ranks[r][i]
-        if a.strategy not in STRATEGIES:
-            raise PlanError(f"{a} on rank {r} has memory strategy {a.strategy!r}; known: {sorted(STRATEGIES)}")
+        try:
+            recomputed_blocks(a.strategy)
+        except PlanError as e:
+            raise PlanError(f"{a.kind} of chunk {a.chunk}, microbatch {a.mb} on rank {r}: {e}") from None
         if a.kind == "B" and stage_key("F", a.chunk, a.mb, a.sub) in where:
             fr, fi = where[stage_key("F", a.chunk, a.mb, a.sub)]
             if fi >= i:

@@ -43,6 +43,23 @@ class Program:
     chunk_costs: dict = dataclasses.field(default_factory=dict)
     sizes: SizeProgram | None = None
     _last_sizes: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
+    #: chunk -> CompiledCost with ``f<j>`` / ``a<j>`` per block j of the chunk, made on first use by this function
+    block_costs_of: object = dataclasses.field(default=None, repr=False, compare=False)
+    _block_costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def block_costs(self, chunk: int, bindings: Mapping) -> list[tuple[float, float]] | None:
+        """Per block of ``chunk`` (graph order), ``(forward seconds on the device profile, bytes its nodes save
+        for the backward)`` at concrete sizes (per GPU under tensor parallelism), or ``None`` without a device
+        profile: the units of per-layer recompute (DIP §2.5's per-layer memory strategies).  The costs are
+        compiled for a chunk on first use and memoised per shape."""
+        if self.block_costs_of is None or chunk not in self.chunk_costs:
+            return None
+        cc = self._block_costs.get(chunk)
+        if cc is None:
+            cc = self._block_costs[chunk] = self.block_costs_of(self, chunk)
+        v = cc(bindings)
+        n = len(v) // 2
+        return [(v[f"f{j}"], v[f"a{j}"]) for j in range(n)]
 
     def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
         """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device

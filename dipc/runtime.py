@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 
 from .batch import Microbatch
-from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, stage_key, validate
+from .codegen.stage import recompute_prefix
+from .plan import RECVS, SENDS, Plan, PlanError, TensorSpec, recomputed_blocks, stage_key, validate
+from .planner.memory import optimize_memory
 from .schedule import (Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute,
                        timed_schedule)
 
-__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute"]
+__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute",
+           "memory_options"]
 
 _ALIGN = 64  # bytes: every tensor of a packed message starts at a multiple of this
 
@@ -242,6 +245,37 @@ def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True)
         b.latency += st.latency
         n += 1
     return n
+
+
+def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float]]:
+    """The memory strategies forward ``fk``'s pair may take (DESIGN.md "Memory"; DIP §2.5's per-layer
+    candidates): ``(strategy, bytes per GPU its forward keeps until the backward, seconds its backward grows by)``
+    for "keep", "recompute:k" for every k in 1 .. blocks - 1 (the chunk's first k blocks recompute: their saved
+    bytes are replaced by the chunk's inputs, their forward seconds join the backward) and "recompute" (the whole
+    chunk, the inputs only).  Per-block seconds and bytes come from the compiled per-block costs on the device
+    profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split evenly
+    over its blocks.  The forward must still be at "keep"."""
+    st = w.graph.stages[fk]
+    if st.strategy != "keep":
+        raise PlanError(f"memory options of {fk} are taken from its 'keep' costs; it is at {st.strategy!r}")
+    prog = w.programs[fk]
+    cm = prog.chunks[st.chunk]
+    keep, f_lat = st.activation_bytes, st.latency
+    inputs = _input_bytes(w, fk)
+    out = [("keep", keep, 0.0)]
+    blocks = prog.block_costs(st.chunk, w.bindings[fk])
+    if blocks is None:
+        n = max(cm.n_blocks, 1)
+        blocks = [(1.0 / n, keep / n)] * n
+    total_f = sum(f for f, _ in blocks) or 1.0
+    done_f, kept_after = 0.0, sum(a for _, a in blocks)
+    for k in range(1, len(blocks)):
+        done_f += blocks[k - 1][0]
+        kept_after -= blocks[k - 1][1]
+        out.append((f"recompute:{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f))
+    if inputs < keep:
+        out.append(("recompute", inputs, f_lat))
+    return out
 
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:
@@ -489,6 +523,9 @@ class Executor:
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
                 out = mod(**kwargs)
+        elif a.strategy != "keep":  # "recompute:k": the first k blocks under activation checkpointing
+            with torch.enable_grad():
+                out = self._prefix_module(prog, a.chunk, recomputed_blocks(a.strategy))(**kwargs)
         else:
             with torch.enable_grad():
                 out = mod(**kwargs)
@@ -539,6 +576,15 @@ class Executor:
                     d[pname] = d[pname] + piece if pname in d else piece
                 else:
                     self.out_grads.setdefault((fk, pk), {})[pname] = piece
+
+    def _prefix_module(self, prog, chunk: int, k: int):
+        """The chunk's module with its first ``k`` blocks checkpointed (:func:`dipc.codegen.stage.recompute_prefix`),
+        built on first use and kept with the chunk modules."""
+        gm = self.mods[(id(prog), chunk)]
+        cache = gm.__dict__.setdefault("_dipc_recompute_prefix", {})
+        if k not in cache:
+            cache[k] = recompute_prefix(gm, k)
+        return cache[k]
 
     def _meta(self, pk, pname):
         return self.w.programs[pk].chunks[self.w.graph.stages[pk].chunk].output_meta[pname]
@@ -624,10 +670,18 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     graph = workload.graph
     P = compiled.pp_size
 
+    inputs: dict[str, float] = {}
+
     def recompute_cost(st):
-        return _input_bytes(workload, st.key), st.latency
+        if st.key not in inputs:
+            inputs[st.key] = _input_bytes(workload, st.key)
+        return inputs[st.key], st.latency
 
     limited = any(x is not None for x in limits)
+    if limited:  # the candidates of DIP's memory optimisation (§2.5), per forward-backward pair
+        for k, st in graph.stages.items():
+            if st.kind == "F" and st.strategy == "keep":
+                st.options = tuple(memory_options(workload, k))
     if t.kind == "interleave" and not limited:  # the common path: one list schedule
         sched = list_schedule(graph, P, comm_time=comm)
     elif t.kind == "interleave":
@@ -642,13 +696,16 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
             extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
             order = _encoder_first_order(graph, P, comm, extra)
-        if limited:  # the recompute its users turn on: whole chunks (Optimus is in DIP)
-            fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")
+        if limited:  # the recompute its users turn on: per chunk for all microbatches (Optimus is in DIP: per pair)
+            fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")  # greedy, whole chunks
+            optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # then the fewest layers that fit
         sched = timed_schedule(graph, order, comm_time=comm)
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
-    plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy == "recompute")
+    plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy != "keep")
+    plan.simulated["recomputed_partly"] = sum(1 for s in graph.stages.values()
+                                              if s.kind == "F" and s.strategy.startswith("recompute:"))
     if check:
         validate(plan)
     return plan
@@ -693,7 +750,10 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     cands, errs = [], []
     g = _copy_stages(graph)
     try:
-        cands.append((list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost), g))
+        first = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
+        if optimize_memory(g, first.order, limits)["solved"]:
+            first = timed_schedule(g, first.order, comm_time=comm)
+        cands.append((first, g))
     except PlanError as e:
         errs.append(e)
     orders = [dict(window=max(1, round(w * P))) for w in WINDOWS]
@@ -709,8 +769,9 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
         else:
             order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
         try:  # a candidate that cannot fit, or a seed that deadlocks on these stages, is skipped
-            fit_by_recompute(g, order, limits, recompute_cost)
+            fit_by_recompute(g, order, limits, recompute_cost)  # the greedy fit: kept where the ILP finds nothing
             relax_recompute(g, order, limits)
+            optimize_memory(g, order, limits)
             cands.append((timed_schedule(g, order, comm_time=comm), g))
         except PlanError as e:
             errs.append(e)

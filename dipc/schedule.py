@@ -56,8 +56,11 @@ class Stage:
             forward keeps only its inputs (``activation_bytes`` should count those) and the backward's ``latency``
             includes the forward run again.
         keep_bytes, recompute_extra: set on a forward the planner switched to "recompute"
-            (:func:`switch_to_recompute`): its bytes under "keep" and the seconds its backward grew by, so that
-            :func:`relax_recompute` can switch it back.
+            (:func:`switch_to_recompute`) or to another option: its bytes under "keep" and the seconds its backward
+            grew by, so that :func:`relax_recompute` can switch it back.
+        options: on a forward, the memory strategies its pair may take, ``(strategy, activation bytes, seconds the
+            backward grows by)`` from "keep" (``extra = 0``) to the least memory (DIP §2.5's candidates,
+            :func:`dipc.planner.memory.prune_options`); empty: only its current strategy.
     """
 
     kind: str
@@ -72,6 +75,7 @@ class Stage:
     strategy: str = "keep"
     keep_bytes: float | None = None
     recompute_extra: float = 0.0
+    options: tuple = ()
 
     @property
     def key(self) -> str:
@@ -379,11 +383,12 @@ def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float)
     """Give forward ``st`` and its backward the "recompute" strategy: both count ``kept`` bytes, the backward grows
     by ``extra`` seconds; the forward remembers its "keep" bytes for :func:`relax_recompute`."""
     b = graph.stages["B" + st.key[1:]]
-    st.keep_bytes, st.recompute_extra = st.activation_bytes, extra
+    keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
+    b.latency += extra - st.recompute_extra  # from another option (per-layer recompute), the difference
+    st.keep_bytes, st.recompute_extra = keep, extra
     for x in (st, b):
         x.strategy = "recompute"
         x.activation_bytes = kept
-    b.latency += extra
 
 
 def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None]) -> int:

@@ -47,7 +47,8 @@ class SimResult:
         critical_path: seconds of the longest chain of dependent stages (the plan's ``deps``, forward to backward;
             transfers not counted), plus ``epilogue``: no schedule on any number of ranks is faster.
         schedule: the template that made the plan (from ``plan.simulated``; "" when unknown).
-        recomputed: forward-backward stage pairs that recompute (memory strategy "recompute").
+        recomputed: forward-backward stage pairs that recompute, wholly ("recompute") or their first blocks
+            ("recompute:k").
     """
 
     iteration_time: float
@@ -186,7 +187,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     ep = epilogue if it > 0 else 0.0
     bound = max(busy_time, default=0.0) + ep
     critical = _critical_path(plan, latency) + ep
-    recomputed = sum(1 for acts in plan.ranks for a in acts if a.kind == "F" and a.strategy == "recompute")
+    recomputed = sum(1 for acts in plan.ranks for a in acts if a.kind == "F" and a.strategy != "keep")
     return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
                      memory_timeline=timelines, comm=comm, bound=bound, critical_path=critical,
                      schedule=str((plan.simulated or {}).get("schedule", "")), recomputed=recomputed)

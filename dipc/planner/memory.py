@@ -1,0 +1,295 @@
+"""DIP's per-rank memory optimisation (shared/PAPER.md §2.5, searcher phase 3): one memory strategy per
+forward-backward stage pair, chosen by a small ILP per pipeline rank.
+
+* **Candidates.** A pair's strategies are "keep", "recompute:k" (the chunk's first k blocks recompute: the
+  per-layer strategy, Megatron's ``--recompute-method block``) and "recompute" (the whole chunk), each with the
+  bytes its forward keeps until the backward and the seconds the backward grows by (the forward of what it
+  recomputes).  :func:`prune_options` keeps at most ``S`` of them (the paper's S = 10): the fastest, the most
+  memory-efficient, and in each of S - 2 equal buckets of the memory range between them the fastest (a pair's
+  strategies form one chain - more recompute, less memory - so the paper's multiple-choice knapsack per bucket is
+  a pick along it).
+* **ILP per rank** (:func:`optimize_memory`): variables ``o[i, j]`` in {0, 1} (pair i takes candidate j), each
+  pair exactly one; minimise ``sum lat[i, j] * o[i, j]``; for every forward that opens a peak (followed by a
+  backward in the rank's order, or last), the pairs live there (forward at or before it, backward after it) keep
+  at most the rank's activation budget: ``sum mem[i, j] * o[i, j] <= M``.  The memory is counted on the rank's
+  order, as :func:`dipc.schedule.order_peaks` and the simulator count it, so the chosen strategies fit whatever
+  the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved by
+  HiGHS through ``scipy.optimize.milp`` with a 5% relative gap and a time limit.  scipy gives HiGHS no starting
+  solution, so the greedy warm start of the paper is the fallback instead: a rank the solver leaves without a
+  solution in time keeps what the greedy recompute fit (:func:`dipc.schedule.fit_by_recompute`) gave it.
+* ``uniform``: one strategy per chunk for all its microbatches (a static schedule's user sets recompute once per
+  chunk, as Megatron's flags do); the variables are then per (chunk, candidate).
+
+Pure: works on a :class:`dipc.schedule.StageGraph` and per-rank orders; no process group.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ..plan import PlanError
+from ..schedule import StageGraph
+
+__all__ = ["prune_options", "optimize_memory", "apply_option", "S_DEFAULT"]
+
+S_DEFAULT = 10  #: candidates kept per stage pair (the paper's example)
+
+
+def prune_options(options: Sequence[tuple[str, float, float]], S: int = S_DEFAULT) -> list[tuple[str, float, float]]:
+    """At most ``S`` (>= 2) of a pair's ``(strategy, bytes, extra seconds)`` candidates, most bytes first: the
+    Pareto front (no candidate both keeps more and is slower than another), then the fastest, the most
+    memory-efficient and the fastest in each of ``S - 2`` equal buckets of the memory range between them.
+
+    Raises:
+        ValueError: ``S`` < 2 or no options.
+    """
+    if S < 2:
+        raise ValueError(f"S must be >= 2, got {S}")
+    if not options:
+        raise ValueError("a stage pair needs at least one memory strategy")
+    front: list[tuple[str, float, float]] = []
+    for o in sorted(options, key=lambda o: (-o[1], o[2])):
+        if front and o[1] == front[-1][1]:
+            continue  # as much memory and not faster
+        while front and o[2] <= front[-1][2]:
+            front.pop()  # o keeps less and is no slower
+        front.append(o)
+    if len(front) <= S:
+        return front
+    hi, lo = front[0][1], front[-1][1]
+    width = (hi - lo) / (S - 2)
+    out = [front[0]]
+    for b in range(S - 2, 0, -1):  # bucket (lo + (b-1) w, lo + b w]: its fastest is its largest
+        top = lo + b * width
+        pick = next((o for o in front if lo + (b - 1) * width < o[1] <= top and o not in out), None)
+        if pick is not None:
+            out.append(pick)
+    if front[-1] not in out:
+        out.append(front[-1])
+    return out
+
+
+def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -> None:
+    """Give forward ``fk`` and its backward the candidate ``option = (strategy, bytes, extra seconds)``: both count
+    its bytes, the backward's latency is its "keep" latency plus ``extra``; the forward remembers its "keep" bytes
+    and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo it."""
+    st = graph.stages[fk]
+    b = graph.stages["B" + fk[1:]]
+    strategy, nbytes, extra = option
+    keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
+    b.latency += extra - st.recompute_extra
+    st.recompute_extra = extra
+    st.keep_bytes = None if strategy == "keep" else keep
+    for x in (st, b):
+        x.strategy = strategy
+        x.activation_bytes = nbytes
+
+
+def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None], *,
+                    uniform: bool = False, S: int = S_DEFAULT, gap: float = 0.05,
+                    time_limit: float = 2.0) -> dict:
+    """Choose every forward-backward pair's memory strategy on each rank with a limit (see the module docstring),
+    least total recompute seconds under the rank's activation budget ``limits[r]`` (bytes) at every peak of its
+    ``order``; writes the choice into ``graph``'s stages (:func:`apply_option`).  A forward's candidates are its
+    ``options`` (none: its current strategy, fixed).
+
+    Args:
+        uniform: one candidate per chunk for all its microbatches (strategies matched by name).
+        S: candidates kept per pair (:func:`prune_options`; not applied with ``uniform``).
+        gap: the solver's relative optimality gap (the paper's 5%).
+        time_limit: seconds the solver may take per rank.
+
+    Returns:
+        ``{"seconds": wall time, "solved": ranks the solver chose for, "unsolved": ranks left as they were,
+        "pairs": pairs considered, "extra_s": sum of the chosen backward extras}``.
+
+    Raises:
+        PlanError: a rank's pairs exceed its budget at some peak even with every pair at its least memory (names
+            the rank, the stage, the bytes and the budget).
+    """
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import coo_matrix
+
+    t0 = time.perf_counter()
+    stats = {"seconds": 0.0, "solved": [], "unsolved": [], "pairs": 0, "extra_s": 0.0}
+    for r, ks in enumerate(order):
+        M = limits[r] if r < len(limits) else None
+        if M is None or not ks:
+            continue
+        pos = {k: i for i, k in enumerate(ks)}
+        pairs = [k for k in ks if graph.stages[k].kind == "F"]
+        if not pairs:
+            continue
+        opts = []
+        for k in pairs:
+            st = graph.stages[k]
+            own = list(st.options) or [(st.strategy, st.activation_bytes, st.recompute_extra)]
+            opts.append(own if uniform else prune_options(own, S))
+        # variables: per group (pair, or chunk with uniform) x candidate
+        if uniform:
+            names: dict[int, list[str]] = {}
+            for k, o in zip(pairs, opts):
+                c = graph.stages[k].chunk
+                here = [x[0] for x in o]
+                names[c] = here if c not in names else [n for n in names[c] if n in here]
+            base = {}
+            n_var = 0
+            for c in sorted(names):
+                base[c] = n_var
+                n_var += len(names[c])
+            cols = []
+            for k, o in zip(pairs, opts):
+                c = graph.stages[k].chunk
+                by = {x[0]: x for x in o}
+                cols.append([(base[c] + j, by[n]) for j, n in enumerate(names[c])])
+            groups = [list(range(base[c], base[c] + len(names[c]))) for c in sorted(names)]
+        else:
+            cols, groups, n_var = [], [], 0
+            for o in opts:
+                cols.append([(n_var + j, x) for j, x in enumerate(o)])
+                groups.append(list(range(n_var, n_var + len(o))))
+                n_var += len(o)
+        # peak rows: forwards followed by a backward (or last); pair i is live at row positions lo_i <= p < hi_i
+        rows = [p for p, k in enumerate(ks) if graph.stages[k].kind == "F"
+                and (p + 1 == len(ks) or graph.stages[ks[p + 1]].kind == "B")]
+        rows_a = np.asarray(rows)
+        lo = np.asarray([pos[k] for k in pairs])
+        hi = np.asarray([pos["B" + k[1:]] for k in pairs])
+        ra = np.searchsorted(rows_a, lo, side="left")
+        rb = np.searchsorted(rows_a, hi, side="left")
+
+        def levels(pick):
+            d = np.zeros(len(rows) + 1)
+            for i, o in enumerate(cols):
+                m = pick(x[1] for _, x in o)
+                d[ra[i]] += m
+                d[rb[i]] -= m
+            return np.cumsum(d)[:-1]
+
+        least, most = levels(min), levels(max)
+        if len(rows) and least.max() > M * (1 + 1e-9):  # infeasible orders are refused before the solver
+            p = int(np.argmax(least))
+            raise PlanError(f"rank {r} keeps {least[p]:.4g} bytes of activations at {ks[rows[p]]} with every pair "
+                            f"live there at its least memory, over its activation budget of {M:.4g} bytes (the "
+                            "memory limit less the rank's parameters, gradients and optimizer states); give the "
+                            "pipeline more memory, more ranks, or smaller microbatches")
+        # a row that holds even with every pair at its most memory cannot bind: drop it; a pair live in no binding
+        # row takes its fastest candidate outright (most of a rank, usually: the solver sees only the peaks)
+        binding = most > M * (1 + 1e-9)
+        keep_row = np.flatnonzero(binding)
+        first_binding = np.concatenate([[0], np.cumsum(binding)])  # binding rows before each row index
+        free = [i for i in range(len(pairs)) if first_binding[rb[i]] - first_binding[ra[i]] == 0]
+        free_set = set(free)
+        if uniform:  # a chunk is free only if every one of its pairs is
+            busy_groups = {cols[i][0][0] for i in range(len(pairs)) if i not in free_set}
+            free_set = {i for i in free_set if cols[i][0][0] not in busy_groups}
+        for i in sorted(free_set):
+            o = cols[i]
+            chosen = min((x for _, x in o), key=lambda q: (q[2], -q[1]))
+            apply_option(graph, pairs[i], chosen)
+            stats["extra_s"] += chosen[2]
+        active = [i for i in range(len(pairs)) if i not in free_set]
+        if not active:
+            stats["pairs"] += len(pairs)
+            stats["solved"].append(r)
+            continue
+        n_rows = len(keep_row)
+        # renumber the variables of the active pairs
+        used = sorted({v for i in active for v, _ in cols[i]})
+        vmap = {v: j for j, v in enumerate(used)}
+        groups = [[vmap[v] for v in g if v in vmap] for g in groups]
+        groups = [g for g in groups if g]
+        n_var = len(used)
+        active_set = set(active)
+        cols = [[(vmap[v], x) for v, x in cols[i]] if i in active_set else [] for i in range(len(pairs))]
+        ra, rb = first_binding[ra], first_binding[rb]  # the binding rows each pair is live in
+        c = np.zeros(n_var)
+        ri, ci, vals = [], [], []
+        for i in active:
+            o = cols[i]
+            n_live = int(rb[i] - ra[i])
+            for v, x in o:
+                c[v] += x[2]
+                if n_live and x[1]:
+                    ri.append(np.arange(ra[i], rb[i]))
+                    ci.append(np.full(n_live, v))
+                    vals.append(np.full(n_live, x[1]))
+        cons = []
+        a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(groups)), [len(g) for g in groups]),
+                                                np.concatenate([np.asarray(g) for g in groups]))),
+                              shape=(len(groups), n_var)).tocsr()
+        cons.append(LinearConstraint(a_choice, 1, 1))
+        if ri:
+            a_mem = coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))),
+                               shape=(n_rows, n_var)).tocsr()  # duplicates (uniform) sum
+            cons.append(LinearConstraint(a_mem, -np.inf, M))
+        t_solve = time.perf_counter()
+        base = sum(graph.stages[pairs[i]].latency + graph.stages["B" + pairs[i][1:]].latency
+                   - graph.stages[pairs[i]].recompute_extra for i in active)  # the pairs' "keep" seconds
+        x, status, bound = _solve(c, cons, groups, M, gap, time_limit, base)
+        stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
+                                                  "rows": n_rows, "seconds": time.perf_counter() - t_solve,
+                                                  "how": status, "lower_bound_s": bound})
+        stats["pairs"] += len(pairs)
+        if x is None:
+            stats["unsolved"].append(r)
+            continue
+        for i in active:
+            k, o = pairs[i], cols[i]
+            chosen = next((opt for v, opt in o if x[v]), None)
+            if chosen is None:  # numerically ambiguous: take the least memory, always feasible
+                chosen = min((opt for _, opt in o), key=lambda q: q[1])
+            apply_option(graph, k, chosen)
+            stats["extra_s"] += chosen[2]
+        stats["solved"].append(r)
+    stats["seconds"] = time.perf_counter() - t0
+    return stats
+
+
+def _solve(c, cons, groups, M, gap, time_limit, base=0.0):
+    """One rank's ILP: the LP relaxation first (a lower bound), rounded to integers by giving each group with a
+    fractional choice its least-memory candidate used (every row then holds: memory only goes down), then greedy
+    upgrades to faster candidates where every row still holds; when that is within ``gap`` of the bound it is
+    taken (the common case, milliseconds), else HiGHS's branch and bound runs under ``time_limit`` and the better of
+    the two is kept.  As in the paper the objective is the pairs' whole latency, ``base`` (their "keep" seconds)
+    plus the recompute seconds ``c @ x``, and the gap is relative to it.  Candidates of a group are ordered from
+    the most memory to the least.  Returns
+    ``(x as bools or None, "lp-rounded" | "milp" | "none", lower bound)``."""
+    from scipy.optimize import Bounds, milp
+
+    n = len(c)
+    lp = milp(c, constraints=cons, integrality=np.zeros(n), bounds=Bounds(0, 1))
+    if lp.x is None:
+        return None, "none", float("nan")
+    bound = float(lp.fun)
+    x = np.zeros(n, dtype=bool)
+    for g in groups:
+        used = [v for v in g if lp.x[v] > 1e-9]
+        x[used[-1] if used else g[-1]] = True
+    if len(cons) > 1:
+        a_mem = cons[1].A.toarray()  # binding rows x variables: small (peaks x candidates), dense is fastest
+        level = a_mem @ x
+        cap = M * (1 + 1e-9)
+        cur_of = {gi: next(v for v in g if x[v]) for gi, g in enumerate(groups)}
+        gain = {gi: c[cur_of[gi]] - min(c[v] for v in g) for gi, g in enumerate(groups)}
+        for gi in sorted((gi for gi in gain if gain[gi] > 0), key=lambda gi: -gain[gi]):
+            g, cur = groups[gi], cur_of[gi]
+            for v in sorted(g, key=lambda v: c[v]):  # fastest first
+                if c[v] >= c[cur]:
+                    break
+                new = level + a_mem[:, v] - a_mem[:, cur]
+                if (new <= cap).all():
+                    level = new
+                    x[cur], x[v] = False, True
+                    break
+    value = float(c @ x)
+    if value + base <= (bound + base) * (1 + gap) + 1e-9:
+        return x, "lp-rounded", bound
+    rel = gap * (bound + base) / max(bound, 1e-12)  # HiGHS's gap is relative to c @ x alone
+    res = milp(c, constraints=cons, integrality=np.ones(n), bounds=Bounds(0, 1),
+               options={"mip_rel_gap": min(rel, 1.0), "time_limit": time_limit})
+    if res.x is not None and float(res.fun) < value:
+        return np.round(res.x).astype(bool), "milp", bound
+    return x, "lp-rounded", bound

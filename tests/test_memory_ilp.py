@@ -1,0 +1,190 @@
+"""DIP's per-rank memory optimisation (PAPER.md §2.5; issue 9 scope 2, issue 8 scope 1's per-layer recompute):
+candidate pruning, the ILP against brute force on small instances, its limit, and per-layer recompute executed with
+the unsplit model's gradients."""
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as hs
+
+import dipc
+from dipc.plan import PlanError, recomputed_blocks
+from dipc.planner.memory import optimize_memory, prune_options
+from dipc.schedule import order_peaks
+
+import pipeline_cases as pc
+from stage_graphs import chain_graph, gpipe_order, one_f_one_b_order
+
+
+def test_prune_keeps_the_fastest_the_smallest_and_the_pareto_front():
+    opts = [("keep", 100.0, 0.0)] + [(f"recompute:{k}", 100.0 - 4 * k, 0.1 * k) for k in range(1, 25)] + \
+           [("recompute", 2.0, 3.0), ("slow", 90.0, 5.0)]
+    out = prune_options(opts, 10)
+    assert len(out) <= 10 and out[0] == ("keep", 100.0, 0.0) and out[-1] == ("recompute", 2.0, 3.0)
+    assert ("slow", 90.0, 5.0) not in prune_options(opts, 100)  # dominated
+    assert [o[1] for o in out] == sorted((o[1] for o in out), reverse=True)
+    assert [o[2] for o in out] == sorted(o[2] for o in out)
+    with pytest.raises(ValueError, match="S must be >= 2"):
+        prune_options(opts, 1)
+
+
+def _instance(seed, p=2, m=3):
+    rnd = random.Random(seed)
+    g = chain_graph(p, m)
+    for k, st in g.stages.items():
+        if st.kind == "F":
+            keep = rnd.uniform(2, 10)
+            n = rnd.randint(1, 3)
+            opts = [("keep", keep, 0.0)]
+            for j in range(1, n + 1):
+                opts.append((f"recompute:{j}" if j < n else "recompute", keep * (1 - j / (n + 0.5)),
+                             rnd.uniform(0.1, 1.0) * j))
+            st.activation_bytes = keep
+            g.stages["B" + k[1:]].activation_bytes = keep
+            st.options = tuple(opts)
+    order = (gpipe_order if seed % 2 else one_f_one_b_order)(p, m)
+    return g, order
+
+
+def _brute(g, order, limits):
+    """Least total extra seconds over every combination of candidates, per rank (None: infeasible)."""
+    best = []
+    for r, ks in enumerate(order):
+        fs = [k for k in ks if g.stages[k].kind == "F"]
+        top = None
+        for combo in itertools.product(*[g.stages[k].options for k in fs]):
+            level, ok = 0.0, True
+            by = dict(zip(fs, combo))
+            for k in ks:
+                st = g.stages[k]
+                if st.kind == "F":
+                    level += by[k][1]
+                    ok &= level <= limits[r] + 1e-9
+                else:
+                    level -= by["F" + k[1:]][1]
+            if ok:
+                cost = sum(o[2] for o in combo)
+                top = cost if top is None else min(top, cost)
+        best.append(top)
+    return best
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=hs.integers(0, 10_000), frac=hs.floats(0.3, 1.0))
+def test_ilp_matches_brute_force_and_respects_the_limit(seed, frac):
+    g, order = _instance(seed)
+    need = [p for p, _ in order_peaks(g, order)]
+    least = []
+    for ks in order:  # the least-memory peak of the order
+        level, peak = 0.0, 0.0
+        for k in ks:
+            st = g.stages[k]
+            m = min(o[1] for o in g.stages["F" + k[1:]].options)
+            level += m if st.kind == "F" else -m
+            peak = max(peak, level)
+        least.append(peak)
+    limits = [lo + frac * (hi - lo) for lo, hi in zip(least, need)]
+    want = _brute(g, order, limits)
+    stats = optimize_memory(g, order, limits, gap=0.0)
+    assert stats["solved"] == [0, 1]
+    got = [sum(g.stages[k].recompute_extra for k in ks if g.stages[k].kind == "F") for ks in order]
+    assert got == pytest.approx(want, abs=1e-7)
+    for (peak, _), lim in zip(order_peaks(g, order), limits):
+        assert peak <= lim * (1 + 1e-9)
+    for k, st in g.stages.items():  # forward and backward agree; the backward carries the extra
+        if st.kind == "F":
+            b = g.stages["B" + k[1:]]
+            assert b.strategy == st.strategy and b.latency == pytest.approx(2.0 + st.recompute_extra)
+
+
+def test_ilp_refuses_an_order_that_cannot_fit_and_names_the_rank():
+    g, order = _instance(3)
+    with pytest.raises(PlanError, match=r"rank 0 keeps [\d.e+]+ bytes of activations at F:0:\d:-1 with every pair "
+                                        r"live there at its least memory, over its activation budget of 0.5 bytes"):
+        optimize_memory(g, order, [0.5, None])
+
+
+def test_uniform_choice_is_one_strategy_per_chunk():
+    g, order = _instance(8, p=2, m=4)
+    for k, st in g.stages.items():  # the same candidates for every microbatch of a chunk
+        if st.kind == "F":
+            st.options = (("keep", 8.0, 0.0), ("recompute:1", 5.0, 0.3), ("recompute", 1.0, 1.0))
+            st.activation_bytes = g.stages["B" + k[1:]].activation_bytes = 8.0
+    optimize_memory(g, order, [20.0, 20.0], uniform=True, gap=0.0)
+    for c in (0, 1):
+        assert len({st.strategy for st in g.stages.values() if st.kind == "F" and st.chunk == c}) == 1
+    assert max(p for p, _ in order_peaks(g, order)) <= 20.0
+
+
+def test_recomputed_blocks_parses_strategies():
+    assert recomputed_blocks("keep") == 0 and recomputed_blocks("recompute") is None
+    assert recomputed_blocks("recompute:3") == 3
+    for bad in ("recompute:0", "recompute:-1", "recompute:x", "recompute:01", "lazy"):
+        with pytest.raises(PlanError, match="unknown memory strategy"):
+            recomputed_blocks(bad)
+
+
+def _saved_bytes(fn):
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return total[0], out
+
+
+def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
+    """A tight memory limit makes the planner pick per-layer recompute ("recompute:k") for some pairs; the executor
+    runs them under activation checkpointing (fewer saved bytes than "keep") and the loss and every gradient equal
+    the unsplit model's, in two batch orders (text-only microbatches first, then image-heavy first)."""
+    from dipc.codegen.stage import recompute_prefix
+    from dipc.runtime import run_local
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 4)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 1})
+    static = max(c.rank_state_bytes())
+    for counts in ([0, 0, 2, 1, 3, 1, 2, 1], [3, 2, 1, 2, 1, 0, 0, 1]):
+        b = pc.vlm_batch(counts, 16, 8)
+        peak = dipc.simulate(c, b, 8)[0].peak_memory[0] - c.rank_state_bytes()[0]
+        model.zero_grad(set_to_none=True)
+        ref = model(**b)
+        ref.backward()
+        want = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        tight = static + peak / 8
+        res, _ = dipc.simulate(c, b, 8, memory_limit=tight)
+        assert max(res.peak_memory) <= tight * (1 + 1e-9)
+        loss, plan = run_local(c, b, 8, memory_limit=tight)
+        partial = {a.strategy for _, a in plan.compute_actions() if a.strategy.startswith("recompute:")}
+        assert partial, "the limit should make some pairs recompute part of their chunk"
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    # the executed module really keeps less: saved bytes of one text chunk, keep vs its first blocks checkpointed
+    prog = c.program_for(b)
+    cm = next(cm for cm in prog.chunks.values() if cm.n_blocks >= 3 and cm.loss is None and cm.gm is not None)
+    mb = c.batch_spec.split(b, 8)[0]
+    from dipc.runtime import build_workload
+    w = build_workload(c, [mb])
+    fk = next(k for k, st in w.graph.stages.items() if st.kind == "F" and st.chunk == cm.chunk)
+    torch.manual_seed(1)
+    kwargs = {}
+    for inp in cm.inputs:
+        if inp.kind == "batch":
+            kwargs[inp.name] = w.data[fk][inp.key]
+        elif inp.kind == "sym":
+            kwargs[inp.name] = int(inp.expr.xreplace(w.bindings[fk]))
+        else:
+            meta = prog.chunks[inp.src_chunk].output_meta[inp.name]
+            kwargs[inp.name] = torch.randn(meta.concrete_shape(w.bindings[fk]), dtype=meta.dtype,
+                                           requires_grad=meta.dtype.is_floating_point)
+    full, out_keep = _saved_bytes(lambda: cm.gm(**kwargs))
+    part, out_part = _saved_bytes(lambda: recompute_prefix(cm.gm, cm.n_blocks - 1)(**kwargs))
+    assert part < full
+    for name in out_keep:
+        torch.testing.assert_close(out_part[name], out_keep[name])
