@@ -13,20 +13,19 @@ rates, the paper-fitted small-matrix efficiency curve, 80 GB):
   OBELICS-like sources; T2V: :func:`t2v_paper_batch`), one packed sequence (VLM) or one clip group (T2V) per
   microbatch;
 * plans and simulates one step per (model, microbatch count, schedule) under the 80 GB limit
-  (``dipc.simulate(compiled, batch, n, schedule=...)``), every template with the recompute it needs to fit;
-* the sub-microbatch sweep B in {4, 8, 12, 16, 32} (VLM-S), the rank-0 memory timeline of Megatron (1F1B),
-  Optimus and DIP (VLM-M, the paper's memory figure; PNG), DIP against Optimus at Optimus' own peak, the
-  ablation steps this issue can take (1F1B on dipc's modality-aware chunks -> + DIP interleaving) and the rise-and-fall dynamic trace (40 iterations; PNG);
-* writes tables (and the plot) to ``--out`` with the paper's figures beside them.
+  (``dipc.simulate(compiled, batch, n, schedule=...)``), every template with the recompute it needs to fit, and
+  the one-segment baselines (``dipc.compile(..., one_segment=True)``: Megatron VPP with chunks balanced by
+  parameters, nnScaler* by time) with 1F1B;
+* the ablation ladder (Megatron VPP -> + modality-aware partition -> + DIP interleaving -> + MCTS -> + the
+  per-layer memory ILP), the sub-microbatch sweep B in {4, 8, 12, 16, 32} (VLM-S), the rank-0 memory timeline of
+  Megatron (1F1B), Optimus and DIP (VLM-M, the paper's memory figure; PNG), DIP against Optimus at Optimus' own
+  peak and the rise-and-fall dynamic trace (40 iterations; PNG);
+* writes tables (and the plots) to ``--out`` with the paper's figures beside them.
 
-Left out, and said so in the output: Megatron VPP on a one-segment partition balanced by parameter count (a cut of
-a VLM into one segment needs chunks that mix modalities, which dipc's stage graph does not have yet; its 1F1B
-template on dipc's modality-aware chunks is the "+ modality-aware partition" rung), the MCTS and memory-ILP rungs
-(the next issue), and real execution against torch.distributed.pipelining (bench/step_time.py measures
-dipc's own CPU overheads).  T2V-S microbatches are uniform here (one 16 s clip group each; dipc batches one latent
-shape), so its dynamicity is the caption length only.
+Real execution against torch.distributed.pipelining is ``bench/torch_compare.py``.  T2V-S microbatches are uniform
+here (one 16 s clip group each; dipc batches one latent shape), so its dynamicity is the caption length only.
 
-Runs in about 5-10 minutes on 2 cores (compiling the four models on meta is most of it).
+Runs in about 15 minutes on 2 cores (compiling the four models three ways on meta is most of it).
 """
 from __future__ import annotations
 
@@ -74,9 +73,16 @@ def _to_meta(batch):
     return {k: v.to("meta") for k, v in batch.items()}
 
 
-def build(name: str, b_i: int | None = None):
+#: the baselines that cut the model as one segment (``dipc.compile(..., one_segment=True)``), run with 1F1B:
+#: name -> (balance, chunks per rank).  Megatron-LM's VPP splits layers by parameter count (2 virtual stages per
+#: rank here; the paper does not give its VPP size); nnScaler* balances by time, one chunk per rank.
+ONE_SEGMENT = {"megatron-vpp": ("params", 2), "nnscaler*": ("time", 1)}
+
+
+def build(name: str, b_i: int | None = None, baseline: str | None = None):
     """``(compiled, batch_fn, compile_s)`` for setup ``name``: the bf16 model on meta compiled at the paper's PP/TP
-    on the H800 profile; ``batch_fn(n, seed, mix)`` makes a batch of ``n`` microbatches."""
+    on the H800 profile (``baseline``: one of :data:`ONE_SEGMENT`'s partitions instead of DIP's);
+    ``batch_fn(n, seed, mix)`` makes a batch of ``n`` microbatches."""
     from dipc.models import configs
     from dipc.models.data import paper_vlm_batch
     factory, pp, tp = SETUPS[name]
@@ -94,17 +100,21 @@ def build(name: str, b_i: int | None = None):
             return t2v_paper_batch(cfg, n, seed)
         example = _to_meta(batch_fn(1, 0))
         kw = {}
+    if baseline is not None:
+        balance, v = ONE_SEGMENT[baseline]
+        kw = {"one_segment": True, "balance": balance, "chunks_per_rank": {"model": v}}
     t = time.perf_counter()
     compiled = dipc.compile(model, example, pp, tp_size=tp, device="h800", **kw)
     return compiled, batch_fn, time.perf_counter() - t
 
 
-def run(compiled, batch, n, schedule, memory_limit=None):
+def run(compiled, batch, n, schedule, memory_limit=None, label=None, **planning):
     t = time.perf_counter()
-    res, plan = dipc.simulate(compiled, batch, n, schedule=schedule, memory_limit=memory_limit)
-    return {"schedule": schedule, "time": res.iteration_time, "bound": res.bound, "ratio": res.bound_ratio,
-            "peak": max(res.peak_memory), "recomputed": res.recomputed, "plan_s": time.perf_counter() - t,
-            "res": res}
+    res, plan = dipc.simulate(compiled, batch, n, schedule=schedule, memory_limit=memory_limit, **planning)
+    return {"schedule": label or schedule, "time": res.iteration_time, "bound": res.bound, "ratio": res.bound_ratio,
+            "peak": max(res.peak_memory), "recomputed": res.recomputed,
+            "partly": plan.simulated.get("recomputed_partly", 0), "plan_s": time.perf_counter() - t,
+            "res": res, "search": plan.simulated.get("search")}
 
 
 def fluctuation(timeline, horizon: float) -> float:
@@ -140,17 +150,27 @@ def main(argv=None) -> int:
         "small-matrix efficiency curve fitted to the paper's B_i figures), bf16 models on the meta device at the "
         "paper's PP/TP (Table 3), batches from the paper's published statistics (one packed 8192-token sequence "
         "per VLM microbatch, mixed sources; T2V: one 16 s clip group per microbatch).  Every plan is held to 80 GB "
-        "per GPU; the templates recompute whole chunks to fit (as their users turn recompute on), Optimus and DIP "
-        "per stage.  `bound` is the busiest rank's work (recompute included); `ratio` = time / bound.")
+        "per GPU.  Memory strategies per forward-backward pair: keep, per-layer recompute (the chunk's first k "
+        "blocks) or full recompute; the static templates choose one per chunk for all microbatches (as their users "
+        "set Megatron's recompute flags: whole chunks at each peak, then the fewest blocks that fit, by the ILP), "
+        "Optimus and DIP per pair (DIP's per-rank memory ILP, PAPER.md §2.5).  `megatron-vpp` and `nnscaler*` cut "
+        "the model as one segment (`dipc.compile(..., one_segment=True)`: chunks mix modalities), balanced by "
+        "parameters (2 chunks per rank) and by time (1 per rank), and run 1F1B.  `bound` is the busiest rank's work "
+        "(recompute included); `ratio` = time / bound; `recomputed` counts pairs that recompute, wholly or in part "
+        "(`in part`).")
     out()
     out("| model | PP | TP | microbatches | schedule | iteration (s) | bound (s) | ratio | peak GB/GPU | "
-        "recomputed pairs | plan (s) | DIP speed-up |")
+        "recomputed (in part) | plan (s) | DIP speed-up |")
     out("|---|---|---|---|---|---|---|---|---|---|---|---|")
     summary = []
     compiled_cache = {}
     for name in models:
         compiled, batch_fn, cs = build(name)
         compiled_cache[name] = (compiled, batch_fn)
+        baselines = {}
+        for bname in ONE_SEGMENT:
+            baselines[bname] = build(name, baseline=bname)
+            compiled_cache[(name, bname)] = baselines[bname][:2]
         _, pp, tp = SETUPS[name]
         for n in mbs:
             batch = batch_fn(n, 1)
@@ -162,15 +182,22 @@ def main(argv=None) -> int:
                     rows.append(run(compiled, batch, n, sched))
                 except dipc.PlanError as e:
                     out(f"| {name} | {pp} | {tp} | {n} | {sched} | does not fit: {str(e)[:80]} |")
+            for bname, (bc, _, _) in baselines.items():
+                try:
+                    rows.insert(-1, run(bc, batch, n, "1f1b", label=bname))
+                except dipc.PlanError as e:
+                    out(f"| {name} | {pp} | {tp} | {n} | {bname} | does not fit: {str(e)[:80]} |")
             dip = next(r for r in rows if r["schedule"] == "dip")
             best = min((r for r in rows if r["schedule"] != "dip"), key=lambda r: r["time"])
             for r in rows:
                 speed = f"{r['time'] / dip['time']:.3f}x" if r is not dip else f"best template {best['schedule']}"
                 out(f"| {name} | {pp} | {tp} | {n} | {r['schedule']} | {r['time']:.2f} | {r['bound']:.2f} | "
-                    f"{r['ratio']:.3f} | {r['peak'] / GB:.1f} | {r['recomputed']} | {r['plan_s']:.2f} | {speed} |")
+                    f"{r['ratio']:.3f} | {r['peak'] / GB:.1f} | {r['recomputed']} ({r['partly']}) | "
+                    f"{r['plan_s']:.2f} | {speed} |")
             summary.append((name, n, best["schedule"], best["time"] / dip["time"], dip["ratio"],
                             max(r["peak"] for r in rows) / GB))
-        out(f"| {name} | | | | compile {cs:.0f} s | | | | static "
+        cs_b = ", ".join(f"{b} {v[2]:.0f} s" for b, v in baselines.items())
+        out(f"| {name} | | | | compile {cs:.0f} s ({cs_b}) | | | | static "
             f"{max(compiled.rank_state_bytes()) / GB:.1f} GB/GPU | | | |")
     out()
     out("Summary: DIP against the best template, and DIP's distance to its bubble-free bound (acceptance: every peak "
@@ -185,22 +212,33 @@ def main(argv=None) -> int:
     if args.quick:
         return _write(args.out, lines)
 
-    # --- ablation (VLM-S, 64 microbatches): the rungs this issue can take
+    # --- ablation (VLM-S, 64 microbatches): the paper's ladder
     compiled, batch_fn = compiled_cache.get("VLM-S") or build("VLM-S")[:2]
+    mega = compiled_cache.get(("VLM-S", "megatron-vpp")) or build("VLM-S", baseline="megatron-vpp")[:2]
     batch = batch_fn(64, 1)
-    r1 = run(compiled, batch, 64, "1f1b")
-    r2 = run(compiled, batch, 64, "dip")
+    budget = 10.0  # the paper: VLM-L's search is near its optimum within 10 s
+    ladder = [("Megatron VPP: one segment, chunks balanced by parameters (2 per rank), whole-chunk recompute",
+               run(mega[0], batch, 64, "1f1b", memory_opt="greedy"), 26.13),
+              ("+ modality-aware partition (1F1B, interleaved, on dipc's chunks)",
+               run(compiled, batch, 64, "1f1b", memory_opt="greedy"), 22.27),
+              ("+ pipeline stage interleaving (DIP's candidates, whole-chunk recompute, greedy)",
+               run(compiled, batch, 64, "dip", memory_opt="greedy"), 18.81),
+              (f"+ segment reordering (MCTS, {budget:.0f} s budget)",
+               run(compiled, batch, 64, "dip", memory_opt="greedy", budget_s=budget, seed=0), 17.61),
+              ("+ per-layer memory optimisation (per-rank ILP over keep / per-layer / full recompute)",
+               run(compiled, batch, 64, "dip", budget_s=budget, seed=0), 16.05)]
     out("## Ablation (VLM-S, 64 microbatches)")
     out()
-    out("| configuration | dipc (s) | ratio to first rung | paper (s) | paper ratio |")
-    out("|---|---|---|---|---|")
-    out("| Megatron VPP: one segment, chunks balanced by parameters | not built (a one-segment cut of a VLM needs "
-        "chunks that mix modalities) | | 26.13 | |")
-    out(f"| modality-aware partition, 1F1B (interleaved) on dipc's chunks | {r1['time']:.2f} | 1.000 | 22.27 | 1.000 |")
-    out(f"| + DIP interleaving (memory-aware candidates, greedy recompute relax) | {r2['time']:.2f} | "
-        f"{r1['time'] / r2['time']:.3f} | 18.81 | {22.27 / 18.81:.3f} |")
-    out("| + MCTS segment reordering | next issue | | 17.61 | |")
-    out("| + per-layer memory optimisation (ILP) | next issue | | 16.05 | |")
+    out("| configuration | dipc (s) | speed-up over the first rung | rollouts | paper (s) | paper speed-up |")
+    out("|---|---|---|---|---|---|")
+    t0 = ladder[0][1]["time"]
+    for label, r, paper_s in ladder:
+        sr = r["search"] or {}
+        roll = f"{sr['rollouts']} ({'improved' if sr['improved'] else 'not improved'})" if sr else ""
+        out(f"| {label} | {r['time']:.2f} | {t0 / r['time']:.3f} | {roll} | {paper_s:.2f} | {26.13 / paper_s:.3f} |")
+    out()
+    out("A rung's search keeps the interleaver's plan when no rollout beats it; each rollout at this size runs "
+        "the memory-aware interleaver and the ILP (about a second on one core), so the budget holds few rollouts.")
     out()
 
     # --- sub-microbatch sweep (VLM-S, 64 microbatches)
@@ -288,8 +326,8 @@ def main(argv=None) -> int:
                                     label=sname) for sname in ("1f1b", "mimo", "optimus", "dip")])
         out(f"![iteration time over the dynamic trace]({os.path.basename(png2)})")
         out()
-    out("Not in this benchmark (see the module docstring): Megatron VPP on a one-segment parameter-balanced "
-        "partition, the MCTS and ILP rungs, real execution against torch.distributed.pipelining.")
+    out("Real execution against torch.distributed.pipelining: `python bench/torch_compare.py` "
+        "(docs/bench_torch_compare.md).")
     return _write(args.out, lines)
 
 

@@ -35,7 +35,10 @@ from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
 from .codegen.stage import build_chunk_modules
 from .codegen.source import chunk_source
 
-__all__ = ["compile", "CompiledPipeline", "Program"]
+__all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
+
+#: the module name of every node with ``compile(..., one_segment=True)``
+ONE_SEGMENT = "model"
 
 
 def _rule_hit(node, rules) -> bool:
@@ -57,8 +60,9 @@ class CompiledPipeline:
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
                  shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1,
-                 balance: str = "time"):
+                 balance: str = "time", one_segment: bool = False):
         self.model = model
+        self.one_segment = one_segment
         self.check = check and not is_meta(model)
         self.device = device
         self.pp_size = pp_size
@@ -95,6 +99,7 @@ class CompiledPipeline:
             if unused:
                 raise ValueError(f"modalities rule(s) {[(m, list(modalities[m])) for m in unused]} match no module "
                                  f"of {type(model).__name__}; the graph's modalities are {sorted(found)}")
+        self._one_segment_labels(cap.graph)
         annotate_cost(cap.graph)
         self.rule_notes: dict[str, str] = {}
         module_latency = node_seconds = None
@@ -120,7 +125,7 @@ class CompiledPipeline:
                     c = n.meta["dipc_chunk"]
                     self.chunk_seconds[c] = self.chunk_seconds.get(c, 0.0) + node_seconds.get(n.name, 0.0)
         for inst in instances:
-            if inst.modality not in self.partition.modalities:
+            if inst.modality not in self.partition.modalities and not one_segment:
                 raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
                                  f"{self.partition.modalities}")
         self.specialized = cap.specialized
@@ -128,6 +133,14 @@ class CompiledPipeline:
         _check_acyclic(self.program, self.partition)
         self.programs: list[Program] = [self.program]
         self._check_sub_microbatching(self.program)
+
+    def _one_segment_labels(self, graph: torch.fx.Graph) -> None:
+        """With ``one_segment``: every compute node belongs to one module, ``model`` (Megatron-LM's and nnScaler's
+        view of a multimodal model: one layer sequence cut into one set of chunks; the baselines' partition)."""
+        if self.one_segment:
+            for n in graph.nodes:
+                if n.op == "call_function":
+                    n.meta["dipc_modality"] = ONE_SEGMENT
 
     # ------------------------------------------------------------------ programs
     def traced(self, data: Mapping[str, Any]) -> dict:
@@ -355,6 +368,7 @@ class CompiledPipeline:
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)
+        self._one_segment_labels(cap.graph)
         apply_partition(cap.graph, self.partition)
         place_checks(cap.graph, self.partition)
         prog = self._program_from(cap)
@@ -630,7 +644,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             loss_key: str = "loss", device=None, check: bool | None = None,
             split_points: Mapping[str, Sequence[str]] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
-            tp_size: int = 1, balance: str = "time") -> CompiledPipeline:
+            tp_size: int = 1, balance: str = "time", one_segment: bool = False) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -675,6 +689,11 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         balance: what the partition balances chunks by: "time" (default: the cost model's forward + backward time,
             on ``device`` when given) or "params" (parameter count, as Megatron-LM splits layers; the paper's
             Megatron baseline).
+        one_segment: cut the whole model as one module, ``"model"`` (chunks then mix modalities: the end of the
+            vision tower and the start of the language model may share one), as Megatron-LM and nnScaler see a
+            multimodal model: the partition of the paper's baselines (with ``balance="params"`` and
+            ``chunks_per_rank={"model": v}``: Megatron VPP).  Microbatches still split by whole instances; nothing
+            runs on sub-microbatches.  Default False (DIP's modality-aware partition).
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -724,7 +743,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
-                                static_keys=tuple(static_keys), tp_size=tp_size, balance=balance)
+                                static_keys=tuple(static_keys), tp_size=tp_size, balance=balance,
+                                one_segment=bool(one_segment))
     if compiled.check:
         check_pipeline(compiled, example_batch)
     return compiled

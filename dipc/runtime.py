@@ -643,7 +643,8 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
 
 
 def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
-              memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2) -> Plan:
+              memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2,
+              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp") -> Plan:
     """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
     (for callers that validate it themselves).
 
@@ -655,10 +656,22 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     ``simulated`` records ``schedule`` and ``recomputed`` (the forward-backward pairs that recompute).  The workload
     must have been split as the template needs (:func:`split_for`).
 
+    ``memory_opt``: under a limit, how the pairs' memory strategies are chosen: "ilp" (default: DIP's per-rank
+    ILP over keep / per-layer / full recompute, :func:`dipc.planner.memory.optimize_memory`) or "greedy" (whole
+    chunks recompute at each peak, then go back to keep where memory is left: the previous planner, for the
+    ablation).  ``budget_s`` > 0 (DIP only): then MCTS reorders the (microbatch, modality) groups' priorities for
+    up to that many seconds (:func:`dipc.planner.search.search_priorities`, DIP §2.3, deterministic under ``seed``
+    when the budget does not cut it), and the plan is the better of the search's and the interleaver's; its
+    progress is in ``plan.simulated["search"]``.
+
     Raises:
-        ValueError: unknown ``schedule``.
+        ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
         PlanError: a rank cannot fit its stages even recomputed, or the plan is invalid.
     """
+    if memory_opt not in ("ilp", "greedy"):
+        raise ValueError(f"memory_opt must be 'ilp' or 'greedy', got {memory_opt!r}")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s >= 0:
+        raise ValueError(f"budget_s must be a number >= 0 (seconds), got {budget_s!r}")
     from .codegen.templates import encoder_first_edges, fixed_order, template
 
     t = template(schedule)
@@ -678,17 +691,20 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         return inputs[st.key], st.latency
 
     limited = any(x is not None for x in limits)
-    if limited:  # the candidates of DIP's memory optimisation (§2.5), per forward-backward pair
+    ilp = memory_opt == "ilp"
+    if limited and ilp:  # the candidates of DIP's memory optimisation (§2.5), per forward-backward pair
         for k, st in graph.stages.items():
             if st.kind == "F" and st.strategy == "keep":
                 st.options = tuple(memory_options(workload, k))
+    search = None
+    pristine = _copy_stages(graph) if t.kind == "interleave" and budget_s > 0 else None
     if t.kind == "interleave" and not limited:  # the common path: one list schedule
         sched = list_schedule(graph, P, comm_time=comm)
     elif t.kind == "interleave":
         chunk_order, encoders = _virtual_stages(compiled)
         first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
         seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
-        sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds)
+        sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp)
     else:
         chunk_order, encoders = _virtual_stages(compiled)
         if t.kind == "fixed":
@@ -698,11 +714,25 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             order = _encoder_first_order(graph, P, comm, extra)
         if limited:  # the recompute its users turn on: per chunk for all microbatches (Optimus is in DIP: per pair)
             fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")  # greedy, whole chunks
-            optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # then the fewest layers that fit
+            if ilp:
+                optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # then the fewest layers that fit
         sched = timed_schedule(graph, order, comm_time=comm)
+    if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities
+        from .planner.search import search_priorities
+
+        found, search = search_priorities(pristine, P, comm, limits if limited else None, recompute_cost, budget_s,
+                                          seed, ilp=ilp)
+        if found is not None and found[0].iteration_time < sched.iteration_time:
+            sched, g = found
+            _take(graph, g)
+            search.improved = True
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
+    if search is not None:
+        plan.simulated["search"] = {"rollouts": search.rollouts, "iterations": search.iterations,
+                                    "exhausted": search.exhausted, "seconds": search.seconds,
+                                    "best_over_time": search.history, "improved": bool(search.improved)}
     plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy != "keep")
     plan.simulated["recomputed_partly"] = sum(1 for s in graph.stages.values()
                                               if s.kind == "F" and s.strategy.startswith("recompute:"))
@@ -732,7 +762,16 @@ def _copy_stages(graph: StageGraph) -> StageGraph:
 WINDOWS = (1.5, 2, 3, 4)
 
 
-def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=()):
+def _take(graph: StageGraph, g: StageGraph) -> None:
+    """Copy the strategies and latencies a planning candidate ``g`` chose into ``graph``."""
+    for k, st in g.stages.items():
+        o = graph.stages[k]
+        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
+        o.keep_bytes, o.recompute_extra, o.priority = st.keep_bytes, st.recompute_extra, st.priority
+
+
+def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=(), *,
+                ilp: bool = True):
     """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets (without one, :func:`make_plan`
     runs one list schedule): the best simulated of a few candidates (a first, fixed search over orders; the MCTS
     priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
@@ -751,7 +790,7 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     g = _copy_stages(graph)
     try:
         first = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
-        if optimize_memory(g, first.order, limits)["solved"]:
+        if ilp and optimize_memory(g, first.order, limits)["solved"]:
             first = timed_schedule(g, first.order, comm_time=comm)
         cands.append((first, g))
     except PlanError as e:
@@ -771,17 +810,15 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
         try:  # a candidate that cannot fit, or a seed that deadlocks on these stages, is skipped
             fit_by_recompute(g, order, limits, recompute_cost)  # the greedy fit: kept where the ILP finds nothing
             relax_recompute(g, order, limits)
-            optimize_memory(g, order, limits)
+            if ilp:
+                optimize_memory(g, order, limits)
             cands.append((timed_schedule(g, order, comm_time=comm), g))
         except PlanError as e:
             errs.append(e)
     if not cands:
         raise errs[0]
     sched, g = min(cands, key=lambda c: c[0].iteration_time)
-    for k, st in g.stages.items():
-        o = graph.stages[k]
-        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
-        o.keep_bytes, o.recompute_extra = st.keep_bytes, st.recompute_extra
+    _take(graph, g)
     return sched
 
 
@@ -833,19 +870,20 @@ def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
 
 def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None,
               recompute: Callable[[Stage], bool] | bool = False, memory_limit: float | None = None,
-              schedule: str = "dip"):
+              schedule: str = "dip", **planning):
     """Execute one step of every rank in this process and return ``(loss, plan)``.
 
     Gradients accumulate into the model's parameters exactly as the distributed pipeline's would (tied weights
     included, since every rank's chunks share the model's parameter objects here).  ``recompute``: the stages
     that recompute (:func:`set_recompute`); ``memory_limit``: bytes per device the plan stays under
-    (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`.
+    (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`; ``planning``: the other options of
+    :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).
     """
     mbs = split_for(compiled, batch, n_microbatches, schedule)
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
-    plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule)
+    plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule, **planning)
     order = validate(plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]

@@ -209,7 +209,8 @@ def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
 
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
              optimizer_states: int = 2, recompute=False, memory_limit: float | None = None,
-             schedule: str = "dip") -> tuple[SimResult, Plan]:
+             schedule: str = "dip", budget_s: float = 0.0, seed: int = 0,
+             memory_opt: str = "ilp") -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
     Stage latencies and activation bytes are those the planner used: with a device profile
@@ -235,11 +236,16 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     ``schedule``: a template of :func:`dipc.schedules` ("dip", "gpipe", "1f1b", "mimo", "optimus"); each is held to
     the same ``memory_limit``, the static ones by recomputing stages until they fit (``result.recomputed``).
 
+    ``budget_s``: seconds of DIP's MCTS segment reordering (§2.3) on top of the interleaver (0: the interleaver
+    alone), deterministic under ``seed`` when the budget does not cut it; ``memory_opt``: "ilp" (DIP's per-rank
+    memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks).  See
+    :func:`dipc.runtime.make_plan`.
+
     Returns:
-        ``(result, plan)``.
+        ``(result, plan)``; ``plan.simulated["search"]`` holds the search's progress when ``budget_s`` > 0.
 
     Raises:
-        ValueError: unknown ``schedule``.
+        ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
         PlanError: a rank cannot fit the limit even with its stages recomputed.
     """
     from .runtime import build_workload, make_plan, set_recompute, split_for
@@ -248,7 +254,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
-    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states)
+    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,
+                     budget_s=budget_s, seed=seed, memory_opt=memory_opt)
     if static_bytes is None:
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:

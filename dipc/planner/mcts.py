@@ -46,6 +46,7 @@ class SearchResult:
         exhausted: True when the whole tree was explored (``order`` is then optimal).
         history: ``(seconds since the start, best time so far)`` at every improvement.
         seconds: wall time of the search.
+        improved: set by the caller when it takes ``order`` over its own schedule.
     """
 
     order: list
@@ -55,6 +56,7 @@ class SearchResult:
     exhausted: bool = False
     history: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    improved: bool = False
 
 
 class _Node:
