@@ -308,7 +308,8 @@ class CompiledPipeline:
     def _chunk_costs(self, cap: Capture) -> dict:
         """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6); with ``tp_size`` T
         each operator's FLOPs and bytes are divided by T (Megatron's column/row split with sequence parallelism)
-        before the roofline, so small per-GPU matrices pay the profile's efficiency curve."""
+        before the roofline, so small per-GPU matrices pay the profile's efficiency curve.  ``op_peak_bytes``: the
+        output bytes of the chunk's largest op (chosen at the example's sizes), a stage's transient memory."""
         if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
             annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
         dev = self.device
@@ -319,7 +320,30 @@ class CompiledPipeline:
         for n in cap.graph.nodes:
             if n.op == "call_function":
                 nodes.setdefault(n.meta["dipc_chunk"], []).append(n)
-        return {c: compile_costs(ns, extra=extra) for c, ns in nodes.items()}
+        example = {}
+        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+        for sym, key, d in _bindings(cap):
+            name = next(k for k, v in cap.input_keys.items() if v == key)
+            hint = getattr(ph[name].meta["val"].shape[d], "node", None)
+            example[sym] = int(hint.hint) if hint is not None and hint.hint is not None else 2
+        out = {}
+        for c, ns in nodes.items():
+            # the stage's transient: the largest single op output at the example's sizes, as an expression
+            biggest = None
+            for n in ns:
+                sc = n.meta.get("dipc_symcost")
+                if sc is None:
+                    continue
+                try:
+                    v = float(sympy.sympify(sc.bytes_written).xreplace(example))
+                except (TypeError, ValueError):
+                    continue
+                if biggest is None or v > biggest[0]:
+                    biggest = (v, sc)
+            pick = biggest[1] if biggest else None
+            out[c] = compile_costs(ns, extra={**extra, "op_peak_bytes": lambda sc, pick=pick: sc.bytes_written
+                                              if sc is pick else sympy.Integer(0)})
+        return out
 
     def _check_sub_microbatching(self, prog: Program) -> None:
         """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""
@@ -591,7 +615,8 @@ class CompiledPipeline:
         return written
 
     def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0,
-                recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip"):
+                recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
+                budget_s: float = 0.0, seed: int = 0):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -604,13 +629,17 @@ class CompiledPipeline:
                 device profile's ``memory_capacity``, none without one).
             schedule: the schedule template of every step (:func:`dipc.schedules`; default "dip");
                 ``pipe.step(batch, schedule=...)`` overrides it per step.
+            budget_s: seconds of DIP's MCTS segment reordering per step (DIP §2.3; 0: the interleaver alone), run
+                on rank 0 before the step (synchronously for now: the step waits for it); ``seed`` + the step
+                index seeds it.
 
         Raises:
-            ValueError: unknown ``schedule``.
+            ValueError: unknown ``schedule``, a bad ``memory_limit``, ``budget_s`` or ``seed``.
         """
         from .runtime import PipelineRuntime
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
-                               recompute=recompute, memory_limit=memory_limit, schedule=schedule)
+                               recompute=recompute, memory_limit=memory_limit, schedule=schedule,
+                               budget_s=budget_s, seed=seed)
 
 
 def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:

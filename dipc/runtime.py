@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import time
 from collections import defaultdict
@@ -141,16 +142,20 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
             tp = compiled.tp_comm_seconds(prog, c, bind) if compiled.tp_size > 1 else 0.0
             lat = {"F": cost["latency_f"] + tp, "B": cost["latency_b"] + tp}
             act = cost["activation_bytes"] / compiled.tp_size
+            # the largest op's output while the forward runs; the backward holds its gradient and its input's
+            op = cost.get("op_peak_bytes", 0.0) / compiled.tp_size
+            transient = {"F": op, "B": 2 * op}
         else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
             if not ex_units:
                 ex_units.update(_example_units(compiled))
             ratio = units / max(ex_units[mod_of[c]], 1e-12)
             lat = {"F": compiled.chunk_latency(c) * ratio, "B": 2 * compiled.chunk_latency(c) * ratio}
             act = part.chunks[c].cost.activation_bytes * ratio
+            transient = {"F": 0.0, "B": 0.0}  # the nominal estimate does not size ops
         prio = -m
         for kind in ("F", "B"):
             st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat[kind], priority=prio,
-                       activation_bytes=act, modality=mod_of[c])
+                       activation_bytes=act, modality=mod_of[c], transient_bytes=transient[kind])
             stages[st.key] = st
         k = _fkey(c, m, s)
         mb_forwards.append(k)
@@ -364,12 +369,23 @@ class _DistTransport:
         work.wait(self.timeout)
 
 
+def _completed(work) -> bool:
+    """True when a send's work has finished (torch.distributed ``Work.is_completed``); its buffer may go."""
+    try:
+        return bool(work.is_completed())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class _LocalWork:
     def __init__(self, fn):
         self.fn = fn
 
     def wait(self, *_):
         self.fn()
+
+    def is_completed(self) -> bool:
+        return False
 
 
 class _LocalTransport:
@@ -472,6 +488,8 @@ class Executor:
                                 f"{spec.dtype}")
             tensors.append(t)
         buf = _pack(tensors, a.tensors, self.device)
+        # a send's packed copy is freed once the transport has delivered it (not only at the end of the step)
+        self.sends = [(w, b) for w, b in self.sends if not _completed(w)]
         self.sends.append((self.tr.isend(buf, a.peer_rank, a.msg), buf))
 
     def _recv(self, a):
@@ -696,36 +714,67 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         for k, st in graph.stages.items():
             if st.kind == "F" and st.strategy == "keep":
                 st.options = tuple(memory_options(workload, k))
+    budgets = list(limits)
+    if limited:  # transients and message buffers come out of the activation budget (DESIGN.md "Memory")
+        reserve = _buffer_reserve(workload, P)
+        limits = [None if x is None else x - reserve[r] for r, x in enumerate(limits)]
+        for r, x in enumerate(limits):
+            if x is not None and x <= 0:
+                raise PlanError(f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes "
+                                f"(the memory limit less its static state) is under the {reserve[r]:.4g} bytes its "
+                                "largest stage's transient and its message buffers need")
+    pristine = _copy_stages(graph) if limited or budget_s > 0 else None
     search = None
-    pristine = _copy_stages(graph) if t.kind == "interleave" and budget_s > 0 else None
-    if t.kind == "interleave" and not limited:  # the common path: one list schedule
-        sched = list_schedule(graph, P, comm_time=comm)
-    elif t.kind == "interleave":
-        chunk_order, encoders = _virtual_stages(compiled)
-        first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
-        seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
-        sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp)
-    else:
-        chunk_order, encoders = _virtual_stages(compiled)
-        if t.kind == "fixed":
-            order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
-        else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
-            extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
-            order = _encoder_first_order(graph, P, comm, extra)
-        if limited:  # the recompute its users turn on: per chunk for all microbatches (Optimus is in DIP: per pair)
-            fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")  # greedy, whole chunks
-            if ilp:
-                optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # then the fewest layers that fit
-        sched = timed_schedule(graph, order, comm_time=comm)
-    if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities
-        from .planner.search import search_priorities
 
-        found, search = search_priorities(pristine, P, comm, limits if limited else None, recompute_cost, budget_s,
-                                          seed, ilp=ilp)
-        if found is not None and found[0].iteration_time < sched.iteration_time:
-            sched, g = found
-            _take(graph, g)
-            search.improved = True
+    def plan_once(limits):
+        nonlocal search
+        if t.kind == "interleave" and not limited:  # the common path: one list schedule
+            sched = list_schedule(graph, P, comm_time=comm)
+        elif t.kind == "interleave":
+            chunk_order, encoders = _virtual_stages(compiled)
+            first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+            seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
+            sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp)
+        else:
+            chunk_order, encoders = _virtual_stages(compiled)
+            if t.kind == "fixed":
+                order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
+            else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
+                extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+                order = _encoder_first_order(graph, P, comm, extra)
+            if limited:  # the recompute its users turn on: per chunk for all microbatches (Optimus: per pair)
+                fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")  # whole chunks
+                if ilp:
+                    optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # the fewest layers that fit
+            sched = timed_schedule(graph, order, comm_time=comm)
+        if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities
+            from .planner.search import search_priorities
+
+            found, search = search_priorities(pristine, P, comm, limits if limited else None, recompute_cost,
+                                              budget_s, seed, ilp=ilp)
+            if found is not None and found[0].iteration_time < sched.iteration_time:
+                sched, g = found
+                _take(graph, g)
+                search.improved = True
+        return sched
+
+    sched = plan_once(limits)
+    for attempt in range(3 if limited else 0):  # checked in the simulator, with transients and buffers
+        from .simulate import simulate_workload
+
+        trial = lower(graph, sched, chunk_ranks, step=step)
+        res = simulate_workload(compiled, workload, trial, optimizer_states=optimizer_states)
+        static = compiled.rank_state_bytes(optimizer_states)
+        over = [0.0 if budgets[r] is None else res.peak_memory[r] - static[r] - budgets[r] for r in range(P)]
+        if max(over) <= 1e-9 * max(x or 0.0 for x in budgets):
+            break
+        limits = [None if x is None else x - 1.05 * max(over[r], 0.0) for r, x in enumerate(limits)]
+        if attempt == 2 or any(x is not None and x <= 0 for x in limits):
+            r = max(range(P), key=lambda r: over[r])
+            raise PlanError(f"rank {r}'s plan stays {over[r]:.4g} bytes over its memory limit once its stages' "
+                            "transients and message buffers are counted")
+        _take(graph, pristine)  # and plan again under the smaller budgets
+        sched = plan_once(limits)
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
@@ -760,6 +809,27 @@ def _copy_stages(graph: StageGraph) -> StageGraph:
 
 #: in-flight windows DIP's planner tries under a memory limit, in multiples of P
 WINDOWS = (1.5, 2, 3, 4)
+
+
+def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
+    """Per rank, bytes per GPU kept out of the activation budget for what lives only around a stage: the largest
+    stage's transient plus the messages it receives, another stage's receives (posted one action ahead) and two
+    sends' packed copies in flight (DESIGN.md "Memory"; the simulator then checks the plan with every buffer
+    timed)."""
+    T = w.tp_size
+    recv: dict[str, float] = defaultdict(float)
+    send: dict[str, float] = defaultdict(float)
+    for e in w.graph.edges:
+        if e.tensors:
+            nb = sum(t.nbytes for t in e.tensors) / T
+            recv[e.dst] += nb
+            send[e.src] += nb
+    out = []
+    for r in range(P):
+        ks = [k for k, st in w.graph.stages.items() if st.rank == r]
+        top = max((w.graph.stages[k].transient_bytes + recv[k] for k in ks), default=0.0)
+        out.append(top + max((recv[k] for k in ks), default=0.0) + 2 * max((send[k] for k in ks), default=0.0))
+    return out
 
 
 def _take(graph: StageGraph, g: StageGraph) -> None:
@@ -908,11 +978,17 @@ class PipelineRuntime:
     """
 
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
-                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip"):
+                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
+                 budget_s: float = 0.0, seed: int = 0):
         from .codegen.templates import template
 
-        template(schedule)  # unknown names and bad limits raise here, on every rank
+        template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
         memory_limit = check_memory_limit(memory_limit)
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf:
+            raise ValueError(f"budget_s must be a finite number of seconds >= 0, got {budget_s!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.budget_s, self.seed = float(budget_s), seed
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -1029,7 +1105,8 @@ class PipelineRuntime:
         if self.rank == 0:
             try:
                 plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit,
-                                 schedule=self.schedule if schedule is None else schedule)
+                                 schedule=self.schedule if schedule is None else schedule,
+                                 budget_s=self.budget_s, seed=self.seed + self.step_index)
                 payload = [(self.step_index, plan.digest(), plan.to_json(), mine)]
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 payload = [(self.step_index, None, f"{type(e).__name__}: {e}", mine)]

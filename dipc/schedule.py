@@ -58,6 +58,8 @@ class Stage:
         keep_bytes, recompute_extra: set on a forward the planner switched to "recompute"
             (:func:`switch_to_recompute`) or to another option: its bytes under "keep" and the seconds its backward
             grew by, so that :func:`relax_recompute` can switch it back.
+        transient_bytes: bytes the stage holds only while it runs (its largest op's working set; DESIGN.md
+            "Memory"), on top of the activations live then.
         options: on a forward, the memory strategies its pair may take, ``(strategy, activation bytes, seconds the
             backward grows by)`` from "keep" (``extra = 0``) to the least memory (DIP §2.5's candidates,
             :func:`dipc.planner.memory.prune_options`); empty: only its current strategy.
@@ -76,6 +78,7 @@ class Stage:
     keep_bytes: float | None = None
     recompute_extra: float = 0.0
     options: tuple = ()
+    transient_bytes: float = 0.0
 
     @property
     def key(self) -> str:

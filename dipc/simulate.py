@@ -9,8 +9,10 @@ stage latencies).  :func:`simulate_plan` replays a :class:`dipc.plan.Plan` exact
   ``rendezvous`` set (P2P libraries such as gloo and NCCL move the data only once both sides have posted), after
   ``max(send posted, receive posted + rendezvous)``;
 * a compute action starts when its rank is free and every message addressed to its stage has arrived;
-* memory: every rank holds ``static_bytes`` (parameters, gradients, optimizer state) and each forward stage's
-  ``activation_bytes`` from its start until the end of its backward; the peak of the sum is reported;
+* memory: every rank holds ``static_bytes`` (parameters, gradients, optimizer state), each forward stage's
+  ``activation_bytes`` from its start until the end of its backward, each stage's ``transient_bytes`` while it
+  runs, and (with ``buffer_bytes``) each receive's buffer from its posting to the end of its consumer and each
+  send's packed copy until it has arrived; the peak of the sum is reported;
 * the step ends ``epilogue`` seconds after the last action (end-of-step all-reduces, fixed per-step overhead).
 
 A plan that cannot finish (a receive whose send comes after it on the waiting chain) raises
@@ -27,7 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
 
-__all__ = ["SimResult", "simulate_plan", "simulate"]
+__all__ = ["SimResult", "simulate_plan", "simulate", "simulate_workload"]
 
 
 @dataclasses.dataclass
@@ -73,6 +75,47 @@ class SimResult:
         """``iteration_time / critical_path``."""
         return self.iteration_time / self.critical_path if self.critical_path > 0 else 1.0
 
+    def bubble_causes(self) -> list[dict]:
+        """Per rank, where its idle time goes (seconds): ``fill`` (before its first stage), ``drain`` (after its
+        last, to the end of the iteration, epilogue included) and ``waits`` (between stages: dependencies, messages
+        and the memory-aware order holding work back), with ``busy`` (compute) and ``posting`` (SEND/RECV posts)."""
+        out = []
+        for r, spans in enumerate(self.busy):
+            posting = sum(e - s for s, e, _, _ in (self.comm[r] if r < len(self.comm) else []))
+            if not spans:
+                out.append({"busy": 0.0, "posting": posting, "fill": self.iteration_time, "drain": 0.0, "waits": 0.0})
+                continue
+            busy = sum(e - s for s, e, _, _ in spans)
+            first, last = min(s for s, _, _, _ in spans), max(e for _, e, _, _ in spans)
+            fill, drain = first, self.iteration_time - last
+            waits = max(0.0, (last - first) - busy - posting)
+            out.append({"busy": busy, "posting": posting, "fill": fill, "drain": drain, "waits": waits})
+        return out
+
+    def report(self, plan: Plan | None = None) -> str:
+        """A readable summary (DIP's plan report): iteration time against the bubble-free bound and the critical
+        path, the bubble ratio and its causes per rank, peak memory per rank (GB), recomputed pairs, and - given
+        the ``plan`` - the template and the search's progress (rollouts, best time over the search)."""
+        lines = [f"schedule {self.schedule or '?'}: iteration {self.iteration_time:.4g} s, bound {self.bound:.4g} s "
+                 f"(x{self.bound_ratio:.3f}), critical path {self.critical_path:.4g} s, bubble ratio "
+                 f"{self.bubble_ratio:.1%}, recomputed pairs {self.recomputed}"]
+        lines.append("rank  busy s    fill s    waits s   drain s   posting s  peak GB")
+        for r, c in enumerate(self.bubble_causes()):
+            lines.append(f"{r:<5} {c['busy']:<9.4g} {c['fill']:<9.4g} {c['waits']:<9.4g} {c['drain']:<9.4g} "
+                         f"{c['posting']:<10.4g} {self.peak_memory[r] / 1e9:.3f}")
+        sim = (plan.simulated or {}) if plan is not None else {}
+        if sim.get("recomputed_partly"):
+            lines.append(f"pairs recomputing part of their chunk (per-layer): {sim['recomputed_partly']}")
+        search = sim.get("search")
+        if search:
+            hist = search.get("best_over_time") or []
+            prog = ", ".join(f"{t:.2f} s: {v:.4g}" for t, v in hist[:6])
+            lines.append(f"search: {search['rollouts']} rollouts, {search['iterations']} iterations in "
+                         f"{search['seconds']:.2f} s, {'exhausted, ' if search.get('exhausted') else ''}"
+                         f"{'improved on' if search.get('improved') else 'kept'} the interleaver's plan; best over "
+                         f"time: {prog}")
+        return "\n".join(lines)
+
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
         """Compute actions as trace events (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``."""
         out = []
@@ -96,7 +139,8 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                   static_bytes: Sequence[float] | None = None,
                   comm_time: Callable[[Sequence[TensorSpec]], float] | None = None,
                   post_overhead: float | Callable[[Sequence[TensorSpec]], float] = 0.0, epilogue: float = 0.0,
-                  rendezvous: float | None = None) -> SimResult:
+                  rendezvous: float | None = None, transient_bytes: Mapping[str, float] | None = None,
+                  buffer_bytes: Callable[[Sequence[TensorSpec]], float] | None = None) -> SimResult:
     """Replay ``plan`` with stage latencies (see the module docstring).
 
     Args:
@@ -110,6 +154,9 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
         epilogue: seconds added after the last action (default 0).
         rendezvous: when set, a transfer starts only once the receive is posted, plus this many seconds (the
             receiver's ready notice); default None: transfers start when the send is posted.
+        transient_bytes: stage key -> bytes held while the stage runs (default 0).
+        buffer_bytes: message tensors -> bytes of its buffer: a receive's from its posting to the end of the stage
+            that consumes it, a send's packed copy from its posting until it has arrived (default: not counted).
 
     Returns:
         a :class:`SimResult`.
@@ -139,6 +186,10 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     comm: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
 
+    transient = transient_bytes or {}
+    recv_held: dict[tuple[int, str], float] = {}  # (rank, consumer stage) -> receive buffer bytes
+    send_held: list[tuple[int, int, float]] = []  # (rank, message, bytes)
+
     def visit(r: int, i: int, a) -> None:
         if a.kind in SENDS or a.kind in RECVS:
             cost = (_check_seconds(f"post_overhead for {a}", post_overhead(a.tensors)) if callable(post_overhead)
@@ -146,10 +197,17 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
             if cost:
                 comm[r].append((clock[r], clock[r] + cost, str(a), a.kind))
                 clock[r] += cost
+            nb = buffer_bytes(a.tensors) if buffer_bytes is not None else 0.0
             if a.kind in SENDS:
                 arrive[a.msg] = (clock[r], transfer_time(a.tensors, a))
+                if nb:
+                    mem_events[r].append((clock[r], nb))
+                    send_held.append((r, a.msg, nb))
             else:
                 posted[a.msg] = clock[r]
+                if nb:
+                    mem_events[r].append((clock[r], nb))
+                    recv_held[(r, a.stage)] = recv_held.get((r, a.stage), 0.0) + nb
         elif a.kind in COMPUTE:
             ready = []
             for m in incoming[a.stage]:
@@ -165,8 +223,20 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                 mem_events[r].append((start, act.get(a.stage, 0.0)))
             else:
                 mem_events[r].append((end, -act.get(stage_key("F", a.chunk, a.mb, a.sub), 0.0)))
+            tb = transient.get(a.stage, 0.0)
+            if tb:
+                mem_events[r].append((start, tb))
+                mem_events[r].append((end, -tb))
+            held = recv_held.pop((r, a.stage), 0.0)
+            if held:
+                mem_events[r].append((end, -held))
 
     replay(plan, visit)
+    for r, m, nb in send_held:  # a send's copy goes once the message has arrived
+        sent_at, transfer = arrive[m]
+        if rendezvous is not None and m in posted:
+            sent_at = max(sent_at, posted[m] + rendezvous)
+        mem_events[r].append((sent_at + transfer, -nb))
     it = max([s[1] for spans in busy for s in spans] + clock, default=0.0)
     if it > 0:
         it += epilogue
@@ -256,6 +326,15 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         set_recompute(w, recompute)
     plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,
                      budget_s=budget_s, seed=seed, memory_opt=memory_opt)
+    return simulate_workload(compiled, w, plan, comm_time=comm_time, static_bytes=static_bytes,
+                             optimizer_states=optimizer_states), plan
+
+
+def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=None,
+                      optimizer_states: int = 2) -> SimResult:
+    """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.runtime.build_workload`) as :func:`simulate`
+    does: the stages' latencies, activation and transient bytes, message buffers (per GPU under tensor
+    parallelism), the runtime's posting overheads and end-of-step epilogue on the compiled pipeline's device."""
     if static_bytes is None:
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:
@@ -264,6 +343,9 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors) / T)  # noqa: E731
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
+    transient = {k: s.transient_bytes for k, s in w.graph.stages.items() if s.transient_bytes}
+    T = compiled.tp_size
+    buffers = lambda tensors: sum(t.nbytes for t in tensors) / T  # noqa: E731  (each GPU holds its shard)
     post, epilogue = 0.0, 0.0
     dev = compiled.device
     if dev is not None:
@@ -271,5 +353,6 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         epilogue = (dev.step_overhead + dev.allreduce_time(4, compiled.pp_size)
                     + sum(dev.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,
-                        post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency)
-    return res, plan
+                        post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency,
+                        transient_bytes=transient, buffer_bytes=buffers)
+    return res

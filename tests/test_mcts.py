@@ -95,3 +95,8 @@ def test_searched_plans_run_with_the_unsplit_gradients():
             for n, p in model.named_parameters():
                 torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     assert any(improved), "the search should beat the interleaver on one of these batches"
+    for bad in (-1.0, True, "1s", float("nan")):
+        with pytest.raises(ValueError, match="budget_s must be a number >= 0"):
+            dipc.simulate(c, b, 6, budget_s=bad)
+    with pytest.raises(ValueError, match="memory_opt must be 'ilp' or 'greedy'"):
+        dipc.simulate(c, b, 6, memory_opt="lp")

@@ -232,3 +232,23 @@ def _fit_worker(rank, world):
     res, _ = dipc.simulate(refit, pc.vlm_batch([2, 1, 0, 3], 24, 1), 2)
     assert any(res.comm) and res.iteration_time > 0
     return p.to_json()
+
+
+def test_bubble_causes_add_up_and_the_report_names_them():
+    """The plan report (issue 9 scope 5): per rank busy + posting + fill + waits + drain = the iteration time; 1F1B
+    on a uniform chain has no wait on rank 0's critical stretch but fill on the last ranks; the report lists them."""
+    from dipc.schedule import lower, timed_schedule
+    from dipc.simulate import simulate_plan
+    from stage_graphs import chain_graph, one_f_one_b_order
+
+    g = chain_graph(4, 8)
+    sched = timed_schedule(g, one_f_one_b_order(4, 8))
+    plan = lower(g, sched, [0, 1, 2, 3])
+    res = simulate_plan(plan, {k: s.latency for k, s in g.stages.items()}, post_overhead=0.01, epilogue=0.5)
+    causes = res.bubble_causes()
+    for c in causes:
+        assert c["busy"] + c["posting"] + c["fill"] + c["waits"] + c["drain"] == pytest.approx(res.iteration_time)
+    assert causes[0]["fill"] == 0 and causes[3]["fill"] > causes[1]["fill"] > 0
+    assert all(c["drain"] >= 0.5 for c in causes)  # the epilogue
+    text = res.report(plan)
+    assert "bubble ratio" in text and text.count("\n") == 1 + 4

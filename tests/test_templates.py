@@ -132,10 +132,11 @@ def test_every_template_fits_a_limit_on_the_cpu_model_and_stays_exact(vlm2):
 def _two_ranks(rank, world):
     from dipc.testing import reference_check
     errs = {}
-    for name in ("1f1b", "mimo", "optimus"):
+    for name, kw in (("1f1b", {}), ("mimo", {}), ("optimus", {}), ("dip+search", {"budget_s": 0.2, "seed": 1})):
         errs[name] = reference_check(rank, world, "pipeline_cases:vlm", (False,), "pipeline_cases:vlm_batches_mixed",
                                      (), compile_kwargs={"sub_microbatch_size": {"vision": 2}}, n_microbatches=2,
-                                     check_state_dict=False, runtime_kwargs={"schedule": name})["grad_err"]
+                                     check_state_dict=False,
+                                     runtime_kwargs={"schedule": name.split("+")[0], **kw})["grad_err"]
     return errs
 
 
