@@ -320,24 +320,16 @@ class CompiledPipeline:
         for n in cap.graph.nodes:
             if n.op == "call_function":
                 nodes.setdefault(n.meta["dipc_chunk"], []).append(n)
-        example = {}
-        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
-        for sym, key, d in _bindings(cap):
-            name = next(k for k, v in cap.input_keys.items() if v == key)
-            hint = getattr(ph[name].meta["val"].shape[d], "node", None)
-            example[sym] = int(hint.hint) if hint is not None and hint.hint is not None else 2
         out = {}
         for c, ns in nodes.items():
-            # the stage's transient: the largest single op output at the example's sizes, as an expression
+            # the stage's transient: the largest single op output at the example's sizes (the trace's size
+            # hints), kept as its symbolic expression
             biggest = None
             for n in ns:
                 sc = n.meta.get("dipc_symcost")
                 if sc is None:
                     continue
-                try:
-                    v = float(sympy.sympify(sc.bytes_written).xreplace(example))
-                except (TypeError, ValueError):
-                    continue
+                v = _example_bytes(n.meta.get("val"))
                 if biggest is None or v > biggest[0]:
                     biggest = (v, sc)
             pick = biggest[1] if biggest else None
@@ -642,6 +634,19 @@ class CompiledPipeline:
                                budget_s=budget_s, seed=seed)
 
 
+def _example_bytes(v) -> float:
+    """Bytes of a node's value at the trace's example sizes (symbolic dims at their hints; tuples summed)."""
+    if isinstance(v, (list, tuple)):
+        return sum(_example_bytes(x) for x in v)
+    if not isinstance(v, torch.Tensor):
+        return 0.0
+    n = 1
+    for d in v.shape:
+        hint = getattr(getattr(d, "node", None), "hint", None)
+        n *= int(hint) if hint is not None else (int(d) if not hasattr(d, "node") else 1)
+    return float(n * v.element_size())
+
+
 def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:
     """Node name -> parameter elements it is the first to read (each parameter counted once, at its first
     consumer), so that a partition balanced by these weights splits the model by parameter count."""
@@ -748,6 +753,11 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     if balance not in ("time", "params"):
         raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
+    if not isinstance(one_segment, bool):
+        raise ValueError(f"one_segment must be True or False, got {one_segment!r}")
+    if one_segment and modalities is not None:
+        raise ValueError("one_segment=True cuts the whole model as one module, 'model'; modalities= does not apply "
+                         "(give chunks_per_rank={'model': v} or split_points={'model': [...]})")
     auto_b: set[str] = set()
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)

@@ -244,6 +244,7 @@ def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True)
             continue
         b = w.graph.stages["B" + k[1:]]
         kept = _input_bytes(w, k)
+        st.keep_bytes, st.recompute_extra, st.forced = st.activation_bytes, st.latency, True
         for x in (st, b):
             x.strategy = "recompute"
             x.activation_bytes = kept
@@ -635,22 +636,26 @@ def check_memory_limit(memory_limit) -> float | None:
     return float(memory_limit)
 
 
-def activation_budget(compiled, memory_limit: float | None = None, optimizer_states: int = 2) -> list[float | None]:
+def activation_budget(compiled, memory_limit: float | None = None, optimizer_states: int = 2,
+                      static_bytes=None) -> list[float | None]:
     """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
     device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients and
     ``optimizer_states`` optimizer tensors per parameter, :meth:`dipc.CompiledPipeline.rank_state_bytes`; the
-    runtime budgets for AdamW's 2); ``None`` per rank when neither is known.
+    runtime budgets for AdamW's 2; ``static_bytes``: per rank, given instead); ``None`` per rank when neither is
+    known.
 
     Raises:
-        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`).
+        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`) or ``optimizer_states`` (not an int >= 0).
         PlanError: a rank's static bytes alone exceed the limit.
     """
     dev = compiled.device
     memory_limit = check_memory_limit(memory_limit)
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"optimizer_states must be an int >= 0 (tensors per parameter), got {optimizer_states!r}")
     cap = memory_limit if memory_limit is not None else (dev.memory_capacity if dev is not None else None)
     if cap is None:
         return [None] * compiled.pp_size
-    static = compiled.rank_state_bytes(optimizer_states)
+    static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
     out = []
     for r, st in enumerate(static):
         if st > cap:
@@ -662,7 +667,7 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
 
 def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
               memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2,
-              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp") -> Plan:
+              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None) -> Plan:
     """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
     (for callers that validate it themselves).
 
@@ -688,16 +693,22 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     """
     if memory_opt not in ("ilp", "greedy"):
         raise ValueError(f"memory_opt must be 'ilp' or 'greedy', got {memory_opt!r}")
-    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s >= 0:
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf:
         raise ValueError(f"budget_s must be a number >= 0 (seconds), got {budget_s!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
     from .codegen.templates import encoder_first_edges, fixed_order, template
 
     t = template(schedule)
+    if budget_s > 0 and t.kind != "interleave":
+        raise ValueError(f"budget_s (the MCTS search) applies to schedule 'dip' only, not to the fixed template "
+                         f"{schedule!r}")
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
     dev = compiled.device
     T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
     comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors) / T)) if dev is not None else None
-    limits = activation_budget(compiled, memory_limit, optimizer_states)
+    limits = activation_budget(compiled, memory_limit, optimizer_states, static_bytes)
+    static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
     graph = workload.graph
     P = compiled.pp_size
 
@@ -722,12 +733,12 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             if x is not None and x <= 0:
                 raise PlanError(f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes "
                                 f"(the memory limit less its static state) is under the {reserve[r]:.4g} bytes its "
-                                "largest stage's transient and its message buffers need")
+                                "largest stage's transient, the activations a recomputing backward rebuilds and its "
+                                "message buffers need")
     pristine = _copy_stages(graph) if limited or budget_s > 0 else None
     search = None
 
     def plan_once(limits):
-        nonlocal search
         if t.kind == "interleave" and not limited:  # the common path: one list schedule
             sched = list_schedule(graph, P, comm_time=comm)
         elif t.kind == "interleave":
@@ -747,34 +758,53 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                 if ilp:
                     optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # the fewest layers that fit
             sched = timed_schedule(graph, order, comm_time=comm)
-        if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities
-            from .planner.search import search_priorities
-
-            found, search = search_priorities(pristine, P, comm, limits if limited else None, recompute_cost,
-                                              budget_s, seed, ilp=ilp)
-            if found is not None and found[0].iteration_time < sched.iteration_time:
-                sched, g = found
-                _take(graph, g)
-                search.improved = True
         return sched
 
-    sched = plan_once(limits)
-    for attempt in range(3 if limited else 0):  # checked in the simulator, with transients and buffers
+    def over_limit(sched) -> list[float]:
+        """Per rank, bytes the simulated plan (transients and buffers timed) is over its limit."""
         from .simulate import simulate_workload
 
-        trial = lower(graph, sched, chunk_ranks, step=step)
-        res = simulate_workload(compiled, workload, trial, optimizer_states=optimizer_states)
-        static = compiled.rank_state_bytes(optimizer_states)
-        over = [0.0 if budgets[r] is None else res.peak_memory[r] - static[r] - budgets[r] for r in range(P)]
-        if max(over) <= 1e-9 * max(x or 0.0 for x in budgets):
-            break
-        limits = [None if x is None else x - 1.05 * max(over[r], 0.0) for r, x in enumerate(limits)]
-        if attempt == 2 or any(x is not None and x <= 0 for x in limits):
-            r = max(range(P), key=lambda r: over[r])
-            raise PlanError(f"rank {r}'s plan stays {over[r]:.4g} bytes over its memory limit once its stages' "
-                            "transients and message buffers are counted")
-        _take(graph, pristine)  # and plan again under the smaller budgets
+        res = simulate_workload(compiled, workload, lower(graph, sched, chunk_ranks, step=step),
+                                static_bytes=static)
+        return [0.0 if budgets[r] is None else res.peak_memory[r] - static[r] - budgets[r] for r in range(P)]
+
+    tol = 1e-9 * max((x or 0.0 for x in budgets), default=0.0)
+    try:
         sched = plan_once(limits)
+        for attempt in range(MEMORY_ATTEMPTS if limited else 0):  # checked in the simulator, re-made smaller
+            over = over_limit(sched)
+            if max(over) <= tol:
+                break
+            r = max(range(P), key=lambda r: over[r])
+            # each retry takes more off: the planner's own estimate may have had slack the overshoot did not show
+            limits = [None if x is None else x - 1.05 * (2 ** attempt) * max(over[q], 0.0)
+                      for q, x in enumerate(limits)]
+            if attempt == MEMORY_ATTEMPTS - 1 or any(x is not None and x <= 0 for x in limits):
+                raise PlanError(f"rank {r}'s plan stays {over[r]:.4g} bytes over its memory limit once its stages' "
+                                f"transients and message buffers are counted ({attempt + 1} plans tried)")
+            _take(graph, pristine)
+            sched = plan_once(limits)
+    except PlanError as e:
+        if not limited:
+            raise
+        net = ", ".join(f"rank {r}: {limits[r]:.4g}" for r in range(P) if limits[r] is not None)
+        raise PlanError(f"{e} [activation budgets net of each rank's reserve for transients and message buffers: "
+                        f"{net} bytes]") from None
+    if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities, once, verified
+        from .planner.search import search_priorities
+
+        found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
+                                          recompute_cost, budget_s, seed, ilp=ilp)
+        # the search's plan only when it is really faster (not a rounding difference of the same schedule) and,
+        # under a limit, fits once simulated with its transients and buffers; else the interleaver's stays
+        if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
+            kept = _copy_stages(graph)
+            _take(graph, found[1])
+            if limited and max(over_limit(found[0])) > tol:
+                _take(graph, kept)
+            else:
+                sched = found[0]
+                search.improved = True
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
@@ -807,15 +837,18 @@ def _copy_stages(graph: StageGraph) -> StageGraph:
     return StageGraph(stages={k: dataclasses.replace(st) for k, st in graph.stages.items()}, edges=graph.edges)
 
 
+#: plans :func:`make_plan` makes under a limit until the simulated one (transients and buffers timed) fits
+MEMORY_ATTEMPTS = 6
+
 #: in-flight windows DIP's planner tries under a memory limit, in multiples of P
 WINDOWS = (1.5, 2, 3, 4)
 
 
 def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
     """Per rank, bytes per GPU kept out of the activation budget for what lives only around a stage: the largest
-    stage's transient plus the messages it receives, another stage's receives (posted one action ahead) and two
-    sends' packed copies in flight (DESIGN.md "Memory"; the simulator then checks the plan with every buffer
-    timed)."""
+    stage's transient plus the messages it receives, the largest activations a recomputing backward rebuilds,
+    another stage's receives (posted one action ahead) and two sends' packed copies in flight (DESIGN.md "Memory";
+    the simulator then checks the plan with every buffer timed)."""
     T = w.tp_size
     recv: dict[str, float] = defaultdict(float)
     send: dict[str, float] = defaultdict(float)
@@ -828,7 +861,14 @@ def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
     for r in range(P):
         ks = [k for k, st in w.graph.stages.items() if st.rank == r]
         top = max((w.graph.stages[k].transient_bytes + recv[k] for k in ks), default=0.0)
-        out.append(top + max((recv[k] for k in ks), default=0.0) + 2 * max((send[k] for k in ks), default=0.0))
+        # a backward that recomputes holds again what its forward did not keep (at most the chunk's activations
+        # less its inputs): any pair may be made to recompute, so the largest is kept free
+        again = max((w.graph.stages[k].activation_bytes - _input_bytes(w, k) for k in ks
+                     if w.graph.stages[k].kind == "F" and w.graph.stages[k].strategy == "keep"), default=0.0)
+        forced = max((w.graph.stages[k].keep_bytes - w.graph.stages[k].activation_bytes for k in ks
+                      if w.graph.stages[k].kind == "F" and w.graph.stages[k].keep_bytes is not None), default=0.0)
+        out.append(top + max(again, forced, 0.0) + max((recv[k] for k in ks), default=0.0)
+                   + 2 * max((send[k] for k in ks), default=0.0))
     return out
 
 
@@ -953,6 +993,13 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     w = build_workload(compiled, mbs)
     if recompute:
         set_recompute(w, recompute)
+    if plan is not None:  # a plan made for another batch or microbatch count would fail deep in the executor
+        want = {k for k in w.graph.stages}
+        have = {a.stage for _, a in plan.compute_actions()}
+        if want != have:
+            missing, extra = sorted(want - have)[:3], sorted(have - want)[:3]
+            raise PlanError(f"the plan is not for this batch split into {n_microbatches} microbatches: its stages "
+                            f"miss {missing} and have {extra} this step does not")
     plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule, **planning)
     order = validate(plan)
     tr = _LocalTransport()
@@ -1104,9 +1151,12 @@ class PipelineRuntime:
         payload = [None]
         if self.rank == 0:
             try:
-                plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit,
-                                 schedule=self.schedule if schedule is None else schedule,
-                                 budget_s=self.budget_s, seed=self.seed + self.step_index)
+                from .codegen.templates import template
+
+                name = self.schedule if schedule is None else schedule
+                plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=name,
+                                 budget_s=self.budget_s if template(name).kind == "interleave" else 0.0,
+                                 seed=self.seed + self.step_index)
                 payload = [(self.step_index, plan.digest(), plan.to_json(), mine)]
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 payload = [(self.step_index, None, f"{type(e).__name__}: {e}", mine)]

@@ -58,6 +58,7 @@ class Stage:
         keep_bytes, recompute_extra: set on a forward the planner switched to "recompute"
             (:func:`switch_to_recompute`) or to another option: its bytes under "keep" and the seconds its backward
             grew by, so that :func:`relax_recompute` can switch it back.
+        forced: the strategy was asked for (``set_recompute``): the planner does not switch it back to "keep".
         transient_bytes: bytes the stage holds only while it runs (its largest op's working set; DESIGN.md
             "Memory"), on top of the activations live then.
         options: on a forward, the memory strategies its pair may take, ``(strategy, activation bytes, seconds the
@@ -79,6 +80,7 @@ class Stage:
     recompute_extra: float = 0.0
     options: tuple = ()
     transient_bytes: float = 0.0
+    forced: bool = False
 
     @property
     def key(self) -> str:
@@ -417,7 +419,7 @@ def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         cands = []
         for k in ks:
             s = graph.stages[k]
-            if s.kind == "F" and s.strategy == "recompute" and s.keep_bytes is not None:
+            if s.kind == "F" and s.strategy == "recompute" and s.keep_bytes is not None and not s.forced:
                 extra_b = s.keep_bytes - s.activation_bytes
                 cands.append((-(s.recompute_extra / max(extra_b, 1e-12)), k))
         for _, k in sorted(cands):

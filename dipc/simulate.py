@@ -102,7 +102,7 @@ class SimResult:
         lines.append("rank  busy s    fill s    waits s   drain s   posting s  peak GB")
         for r, c in enumerate(self.bubble_causes()):
             lines.append(f"{r:<5} {c['busy']:<9.4g} {c['fill']:<9.4g} {c['waits']:<9.4g} {c['drain']:<9.4g} "
-                         f"{c['posting']:<10.4g} {self.peak_memory[r] / 1e9:.3f}")
+                         f"{c['posting']:<10.4g} {self.peak_memory[r] / 1e9:.4g}")
         sim = (plan.simulated or {}) if plan is not None else {}
         if sim.get("recomputed_partly"):
             lines.append(f"pairs recomputing part of their chunk (per-layer): {sim['recomputed_partly']}")
@@ -325,7 +325,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     if recompute:
         set_recompute(w, recompute)
     plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,
-                     budget_s=budget_s, seed=seed, memory_opt=memory_opt)
+                     budget_s=budget_s, seed=seed, memory_opt=memory_opt, static_bytes=static_bytes)
     return simulate_workload(compiled, w, plan, comm_time=comm_time, static_bytes=static_bytes,
                              optimizer_states=optimizer_states), plan
 
@@ -344,6 +344,11 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
     transient = {k: s.transient_bytes for k, s in w.graph.stages.items() if s.transient_bytes}
+    for k, s in w.graph.stages.items():  # a recomputing backward holds what its forward did not keep, again
+        if s.kind == "B" and s.strategy != "keep":
+            f = w.graph.stages["F" + k[1:]]
+            if f.keep_bytes is not None and f.keep_bytes > f.activation_bytes:
+                transient[k] = transient.get(k, 0.0) + f.keep_bytes - f.activation_bytes
     T = compiled.tp_size
     buffers = lambda tensors: sum(t.nbytes for t in tensors) / T  # noqa: E731  (each GPU holds its shard)
     post, epilogue = 0.0, 0.0

@@ -188,3 +188,44 @@ def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
     assert part < full
     for name in out_keep:
         torch.testing.assert_close(out_part[name], out_keep[name])
+
+
+def test_limits_are_monotone_and_bad_planning_arguments_are_refused():
+    """Found by a break-it run: a larger limit was refused where smaller ones passed (the simulated check re-made
+    the same plan); budget_s=inf hung; budget_s with a fixed template, a bad seed or a plan for another batch were
+    accepted or failed deep inside."""
+    from dipc.runtime import run_local
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 3, 5)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 1})
+    b = pc.vlm_batch([2, 1, 0, 3, 1, 2, 0, 1, 2, 3, 1, 0], 16, 4)
+    static = max(c.rank_state_bytes())
+    free = max(dipc.simulate(c, b, 12, schedule="optimus")[0].peak_memory)
+    accepted = []
+    for frac in (0.3, 0.45, 0.6, 0.75, 0.9):
+        limit = static + frac * (free - static)
+        try:
+            res, _ = dipc.simulate(c, b, 12, schedule="optimus", memory_limit=limit)
+            assert max(res.peak_memory) <= limit * (1 + 1e-9)
+            accepted.append(True)
+        except PlanError as e:
+            assert "rank" in str(e)
+            accepted.append(False)
+    assert accepted[-1] and accepted == sorted(accepted), accepted  # once one fits, every larger one does
+    for bad in (float("inf"), -1.0):
+        with pytest.raises(ValueError, match="budget_s must be a number >= 0"):
+            dipc.simulate(c, b, 12, budget_s=bad)
+    with pytest.raises(ValueError, match="applies to schedule 'dip' only"):
+        dipc.simulate(c, b, 12, schedule="1f1b", budget_s=0.5)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        dipc.simulate(c, b, 12, budget_s=0.1, seed="a")
+    with pytest.raises(ValueError, match="optimizer_states must be an int >= 0"):
+        dipc.simulate(c, b, 12, memory_limit=2 * free, optimizer_states=-5)
+    _, plan = dipc.simulate(c, b, 12)
+    with pytest.raises(PlanError, match="the plan is not for this batch split into 6 microbatches"):
+        run_local(c, b, 6, plan=plan)
+    with pytest.raises(ValueError, match="one_segment=True cuts the whole model as one module"):
+        dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, modalities={"vision": ["vision_tower"]})
+    with pytest.raises(ValueError, match="one_segment must be True or False"):
+        dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment="no")

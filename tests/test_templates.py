@@ -238,7 +238,7 @@ def test_one_segment_partition_mixes_modalities_and_stays_exact():
     assert {"vision_tower", "language_model"} <= tops[0], tops  # one chunk runs vision and language layers
     for counts in ([0, 0, 2, 1, 3, 1], [3, 2, 1, 0, 0, 1]):
         b = pc.vlm_batch(counts, 16, 3)
-        for name in ("1f1b", "gpipe", "dip"):
+        for name in ("1f1b", "dip"):
             local_check(model, megatron, b, 6, schedule=name)
         local_check(model, nnscaler, b, 3, schedule="1f1b")
     b = pc.vlm_batch([2, 1] * 3, 16, 3)
