@@ -235,7 +235,7 @@ class CompiledPipeline:
         """Per block of ``chunk`` in ``prog``'s capture: ``f<j>`` its forward seconds (the roofline of
         :meth:`_chunk_costs`) and ``a<j>`` the bytes its nodes save for the backward, both per GPU (÷ ``tp_size``),
         j = the block's position in the chunk; compiled in one ``sympy.lambdify``."""
-        dev, T = self.device, self.tp_size
+        T = self.tp_size
         nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
         blocks: list = []
         for n in nodes:
