@@ -79,7 +79,6 @@ def _fit(rank, world, profile_json, case, steps):
 
 
 def _run(rank, world, profile_json, case, steps):
-    import torch.distributed as dist
     import dipc
     from dipc.device import DeviceProfile
     # re-fit the executor on the calibration pipeline right before the case: this machine's speed drifts by up to
@@ -95,8 +94,8 @@ def _run(rank, world, profile_json, case, steps):
         times.append(pipe.last_timing["execute_s"])
         for p in pipe.parameters():
             p.grad = None
-    gathered = [None] * world
-    dist.all_gather_object(gathered, times[1:])
+    from dipc.wire import all_gather_json
+    gathered = all_gather_json(times[1:], what="step times")
     if rank == 0:
         res, plan = dipc.simulate(compiled, batch, n_mb)
         per_step = [max(ts) for ts in zip(*gathered)]  # the step ends when its slowest rank does

@@ -11,8 +11,9 @@ from .passes.partition import PartitionError
 from . import launch
 from .simulate import simulate, simulate_plan, SimResult
 from .codegen.templates import schedules
+from .runtime import StepReport, prefetch
 
 __all__ = ["compile", "CompiledPipeline", "Program", "Instances", "LossReduction", "BatchError", "CaptureError",
            "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate", "simulate_plan", "SimResult",
-           "schedules"]
+           "schedules", "prefetch", "StepReport"]
 __version__ = "0.1.0"

@@ -745,7 +745,6 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         ValueError: the pipeline has no device profile, or ``steps`` < 1.
     """
     import numpy as np
-    import torch.distributed as dist
 
     from .simulate import simulate_plan
 
@@ -786,8 +785,10 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
         for p, g in kept:
             p.grad = g
     mine = {k: (statistics.fmean(v), *shape[k]) for k, v in samples.items()}
-    gathered = [None] * pipe.world
-    dist.all_gather_object(gathered, (mine, post, tails, execs), group=pipe.group)
+    from .wire import all_gather_json
+
+    gathered = all_gather_json([mine, post, tails, execs], pipe.group, pipe.device, pipe.timeout,
+                               what="calibration samples")
     stages = {k: r for g in gathered for k, r in g[0].items()}
     post = [x for g in gathered for x in g[1]]
     tail = statistics.fmean(min(g[2][i] for g in gathered) for i in range(steps))

@@ -608,7 +608,7 @@ class CompiledPipeline:
 
     def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
-                budget_s: float = 0.0, seed: int = 0):
+                budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -622,16 +622,22 @@ class CompiledPipeline:
             schedule: the schedule template of every step (:func:`dipc.schedules`; default "dip");
                 ``pipe.step(batch, schedule=...)`` overrides it per step.
             budget_s: seconds of DIP's MCTS segment reordering per step (DIP §2.3; 0: the interleaver alone), run
-                on rank 0 before the step (synchronously for now: the step waits for it); ``seed`` + the step
-                index seeds it.
+                on rank 0: in the background planner while the previous step runs when the step is given its batch
+                ahead (``pipe.step(batch, next_batch=...)`` or :func:`dipc.prefetch`), else before the step;
+                ``seed`` + the step index seeds it.
+            fallback_schedule: the template a step runs when its background plan is late, failed or its planner
+                died (DIP §2.2), planned then.
+            plan_wait_s: seconds after a step begins that it waits for its background plan before falling back.
 
         Raises:
-            ValueError: unknown ``schedule``, a bad ``memory_limit``, ``budget_s`` or ``seed``.
+            ValueError: unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
+                ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``.
         """
         from .runtime import PipelineRuntime
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
-                               budget_s=budget_s, seed=seed)
+                               budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
+                               plan_wait_s=plan_wait_s)
 
 
 def _example_bytes(v) -> float:

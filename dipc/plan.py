@@ -133,9 +133,16 @@ class Action:
         return f"{self.chunk}{self.kind}{self.mb}{s}{arrow}{self.peer_chunk}{ps}"
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["tensors"] = [[t.name, list(t.shape), t.dtype] for t in self.tensors]
-        return {k: v for k, v in d.items() if v not in (-1, (), [], "keep") or k in ("kind", "chunk", "mb")}
+        d = {"kind": self.kind, "chunk": self.chunk, "mb": self.mb}
+        for k in ("sub", "peer_rank", "peer_chunk", "peer_sub", "msg"):  # fields at their default are left out
+            v = getattr(self, k)
+            if v != -1:
+                d[k] = v
+        if self.tensors:
+            d["tensors"] = [[t.name, list(t.shape), t.dtype] for t in self.tensors]
+        if self.strategy != "keep":
+            d["strategy"] = self.strategy
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "Action":
@@ -197,7 +204,13 @@ class Plan:
 
     def digest(self) -> str:
         """SHA-256 of the JSON form: every rank checks it before executing."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        return Plan.text_digest(self.to_json())
+
+    @staticmethod
+    def text_digest(text: str) -> str:
+        """SHA-256 of a plan's JSON text (:meth:`to_json`): equals ``Plan.from_json(text).digest()``, without
+        writing the plan again."""
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def compute_actions(self) -> Iterable[tuple[int, Action]]:
         for r, acts in enumerate(self.ranks):

@@ -25,7 +25,8 @@ import math
 import os
 import time
 from collections import defaultdict
-from typing import Callable, Mapping
+import logging
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,8 +38,10 @@ from .planner.memory import optimize_memory
 from .schedule import (Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute,
                        timed_schedule)
 
-__all__ = ["PipelineRuntime", "StepWorkload", "build_workload", "run_local", "Executor", "set_recompute",
-           "memory_options"]
+__all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "build_workload", "run_local", "Executor",
+           "set_recompute", "memory_options", "prefetch"]
+
+log = logging.getLogger("dipc")
 
 _ALIGN = 64  # bytes: every tensor of a packed message starts at a multiple of this
 
@@ -817,6 +820,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                                               if s.kind == "F" and s.strategy.startswith("recompute:"))
     if check:
         validate(plan)
+        plan._validated = True  # a plan given back to PipelineRuntime.step is not validated again
     return plan
 
 
@@ -1026,10 +1030,20 @@ class PipelineRuntime:
 
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
-                 budget_s: float = 0.0, seed: int = 0):
+                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0):
         from .codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
+        template(fallback_schedule)
+        if isinstance(plan_wait_s, bool) or not isinstance(plan_wait_s, (int, float)) or \
+                not 0 <= plan_wait_s < math.inf:
+            raise ValueError(f"plan_wait_s must be a finite number of seconds >= 0, got {plan_wait_s!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if n_microbatches is not None and (isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int)
+                                           or n_microbatches < 1):
+            raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        self.fallback_schedule, self.plan_wait_s = fallback_schedule, float(plan_wait_s)
         memory_limit = check_memory_limit(memory_limit)
         if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf:
             raise ValueError(f"budget_s must be a finite number of seconds >= 0, got {budget_s!r}")
@@ -1061,6 +1075,10 @@ class PipelineRuntime:
         self.last_plan: Plan | None = None
         self.last_timeline: list = []
         self.last_timing: dict = {}
+        self.last_report: StepReport | None = None
+        self.fallbacks = 0  # steps whose background plan missed its deadline, failed or died (DIP §2.2)
+        self._planner = None  # rank 0's BackgroundPlanner, started by the first step given a next batch
+        self._plan_info: dict = {}
         self._setup_params()
 
     # -- parameters
@@ -1119,60 +1137,196 @@ class PipelineRuntime:
                 out[n] = b.detach().clone()
         return out
 
+    def _owners(self) -> list[tuple[int, str, torch.Tensor]]:
+        """``(owner rank, name, tensor)`` for every entry of the full state dict, in model order: a parameter's
+        lowest holding rank, a buffer's lowest reading rank (rank 0 for buffers no chunk reads)."""
+        comp = self.compiled
+        readers: dict[str, set] = defaultdict(set)
+        for c in comp.partition.chunks:
+            if c.index in comp.program.chunks:
+                for n in comp.program.chunks[c.index].state_names:
+                    readers[n].add(c.rank)
+        out = []
+        for pid, p in self._param_obj.items():
+            for n in self._names_by_id[pid]:
+                out.append((min(self._ranks_by_id[pid]), n, p))
+        persistent = set(comp.model.state_dict(keep_vars=True))
+        for n, b in comp.model.named_buffers(remove_duplicate=False):
+            if n in persistent:
+                out.append((min(readers[n]) if readers.get(n) else 0, n, b))
+        return out
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict gathered from all ranks, under the original names (a collective)."""
-        parts = [None] * self.world
-        dist.all_gather_object(parts, self.state_dict(), group=self.group)
-        out = {}
-        for p in parts:
-            out.update(p)
+        """The whole model's state dict gathered from all ranks, under the original names (a collective).
+
+        Each rank broadcasts the bytes of the tensors it owns as one buffer; every rank knows their names, dtypes and
+        shapes from its copy of the model, so nothing but tensor bytes travels (no pickle).
+
+        Raises:
+            dipc.wire.WireTimeout: a rank's tensors did not arrive within the runtime's timeout.
+        """
+        from .wire import _wait
+
+        owned: dict[int, list] = defaultdict(list)
+        for r, n, t in self._owners():
+            owned[r].append((n, t))
+        out: dict[str, torch.Tensor] = {}
+        for r in range(self.world):
+            items = owned.get(r, [])
+            sizes = [t.numel() * t.element_size() for _, t in items]
+            total = sum(sizes)
+            if not total:
+                for n, t in items:
+                    out[n] = t.detach().clone()
+                continue
+            if r == self.rank:
+                buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
+                                 for _, t in items if t.numel()])
+            else:
+                buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            src = dist.get_global_rank(self.group, r) if self.group is not None else r
+            _wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), self.timeout,
+                  f"rank {r}'s {len(items)} state tensors ({total} bytes)")
+            off = 0
+            for (n, t), size in zip(items, sizes):
+                piece = buf[off:off + size].clone()
+                out[n] = piece.view(t.dtype).reshape(t.shape).to(t.device) if size else t.detach().clone()
+                off += size
         return out
 
     # -- step
     def trace_events(self) -> list[dict]:
         """Every rank's measured actions of the last step, as trace events for :mod:`dipc.trace` (a collective:
-        call it on every rank).  Times are seconds from each rank's start of execution (after plan delivery)."""
+        call it on every rank; JSON on the wire).  Times are seconds from each rank's start of execution (after
+        plan delivery)."""
+        from .wire import all_gather_json
+
         mod_of = {c.index: c.modality for c in self.compiled.partition.chunks}
         mine = []
         for a, s, e, _ in self.last_timeline:
             mine.append({"rank": self.rank, "start": s, "end": e, "name": str(a), "kind": a.kind,
                          "modality": mod_of.get(a.chunk, "")})
-        parts = [None] * self.world
-        dist.all_gather_object(parts, mine, group=self.group)
+        parts = all_gather_json(mine, self.group, self.device, self.timeout, what="trace events")
         return [e for p in parts for e in p]
 
-    def plan_step(self, microbatches: list[Microbatch], schedule: str | None = None) -> tuple[StepWorkload, Plan]:
-        """Build this step's workload and receive (rank 0: make) its plan with ``schedule`` (default the runtime's);
-        checks step and digest.  ``microbatches`` must be split as the schedule needs (:func:`split_for`)."""
+    def _make(self, w: StepWorkload, schedule: str) -> Plan:
+        from .codegen.templates import template
+
+        return make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
+                         budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
+                         seed=self.seed + self.step_index)
+
+    def _workload(self, microbatches: list[Microbatch]) -> StepWorkload:
         w = build_workload(self.compiled, microbatches)
         if self.recompute:
             set_recompute(w, True)
-        mine = workload_digest(w)
-        payload = [None]
-        if self.rank == 0:
-            try:
-                from .codegen.templates import template
+        return w
 
-                name = self.schedule if schedule is None else schedule
-                plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=name,
-                                 budget_s=self.budget_s if template(name).kind == "interleave" else 0.0,
-                                 seed=self.seed + self.step_index)
-                payload = [(self.step_index, plan.digest(), plan.to_json(), mine)]
+    def plan_step(self, microbatches: list[Microbatch], schedule: str | None = None,
+                  batch: Mapping[str, torch.Tensor] | None = None,
+                  given: Plan | None = None) -> tuple[StepWorkload, Plan]:
+        """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
+        checks step and digest on every rank.
+
+        ``microbatches`` must be split as ``schedule`` (default the runtime's) needs (:func:`split_for`); ``batch``
+        (the step's batch) lets a rank re-split it when rank 0 falls back to a template that splits otherwise.  Rank
+        0 sends a JSON header (step, schedule, workload digest, the plan's JSON and digest, where the plan came from)
+        by :func:`dipc.wire.broadcast_json`: no pickle, and the runtime's timeout.
+
+        Raises:
+            PlanError: rank 0 could not plan the step (on every rank), the ranks disagree on the step's batch or
+                microbatch count, or the plan arrived for another step.
+            dipc.wire.WireTimeout: the plan did not arrive within the runtime's timeout.
+        """
+        from .codegen.templates import template
+        from .wire import broadcast_json
+
+        name = self.schedule if schedule is None else schedule
+        tw = time.perf_counter()
+        w = self._workload(microbatches)
+        mine = workload_digest(w)
+        tw = time.perf_counter() - tw
+        n = len(microbatches)
+        info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None, "simulation": None,
+                                "why": ""}
+        header = None
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            try:
+                plan = None
+                if given is not None:  # made beforehand: checked against this step's stages, then validated
+                    have = {a.stage for _, a in given.compute_actions()}
+                    if have != set(w.graph.stages):
+                        missing, extra = sorted(set(w.graph.stages) - have)[:3], sorted(have - set(w.graph.stages))[:3]
+                        raise PlanError(f"the given plan is not for this batch split into {n} microbatches: its "
+                                        f"stages miss {missing} and have {extra} this step does not")
+                    if not getattr(given, "_validated", False):
+                        validate(given)
+                    plan = dataclasses.replace(given, step=self.step_index)
+                    info["source"] = "given"
+                elif self._planner is not None and self._planner.submitted == self.step_index:
+                    reply, why = self._planner.take(self.step_index, self.plan_wait_s)
+                    if reply is not None and reply["digest"] != mine:
+                        reply, why = None, ("the batch given as next_batch is not the one this step got (its "
+                                            "digest differs)")
+                    if reply is not None:
+                        plan = Plan.from_json(reply["plan"])
+                        info.update(source="async", planner_s=reply["seconds"], planner_cpu_s=reply["cpu_seconds"])
+                    elif "next_batch" in why:  # the user's look-ahead was wrong: plan this batch now
+                        log.warning("dipc: step %d: %s; planning it now", self.step_index, why)
+                        info["why"] = why
+                    else:  # late, failed or died: the fallback template, planned now (DIP §2.2)
+                        self.fallbacks += 1
+                        fb = self.fallback_schedule
+                        log.warning("dipc: step %d: %s; running the %r template instead (%d fallbacks so far)",
+                                    self.step_index, why, fb, self.fallbacks)
+                        info.update(source="fallback", schedule=fb, why=why)
+                        if template(fb).sub_microbatches != template(name).sub_microbatches:
+                            microbatches = split_for(self.compiled, batch, n, fb)
+                            w = self._workload(microbatches)
+                            mine = workload_digest(w)
+                        name = fb
+                if plan is None:
+                    plan = self._make(w, name)
+                text = reply["plan"] if info["source"] == "async" else plan.to_json()
+                if info["source"] == "async":
+                    plan._validated = True
+                header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
+                          "plan": text, "plan_digest": Plan.text_digest(text), "source": info["source"]}
             except Exception as e:  # every rank raises it, instead of waiting for a plan
-                payload = [(self.step_index, None, f"{type(e).__name__}: {e}", mine)]
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(payload, src=src, group=self.group)
-        step, digest, text, theirs = payload[0]
-        if digest is None:
-            raise PlanError(f"step {step}: rank 0 could not plan it: {text}")
-        plan = Plan.from_json(text)
-        if step != self.step_index or plan.digest() != digest:
-            raise PlanError(f"rank {self.rank} got the plan of step {step} (digest {digest[:12]}) while at step "
-                            f"{self.step_index} (digest {plan.digest()[:12]})")
-        same = torch.tensor([1 if mine == theirs else 0], dtype=torch.int32, device=self.device)
-        work = dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-        work.wait(self.transport.timeout)
-        if int(same.item()) == 0:  # every rank raises, before any activation moves
+                header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
+            info["rank0_plan_s"] = time.perf_counter() - t0
+        td = time.perf_counter()
+        src = 0
+        header = broadcast_json(header, src, self.group, self.device, self.timeout,
+                                what=f"the plan of step {self.step_index}")
+        step, theirs = header["step"], header["digest"]
+        if "error" in header:
+            raise PlanError(f"step {step}: rank 0 could not plan it: {header['error']}")
+        got = Plan.text_digest(header["plan"])
+        if got != header["plan_digest"]:
+            raise PlanError(f"rank {self.rank} got a damaged plan for step {step} (digest {got[:12]}, rank 0 sent "
+                            f"{header['plan_digest'][:12]})")
+        plan = plan if self.rank == 0 else Plan.from_json(header["plan"])
+        if self.rank != 0:
+            info.update(source=header["source"], schedule=header["schedule"])
+            if header["schedule"] != name:  # rank 0 fell back to another template
+                if template(header["schedule"]).sub_microbatches != template(name).sub_microbatches:
+                    microbatches = split_for(self.compiled, batch, n, header["schedule"])
+                    w = self._workload(microbatches)
+                    mine = workload_digest(w)
+        from .wire import _wait
+
+        # one all-reduce tells every rank whether all agree on the step index and the step's digest
+        same = torch.tensor([1 if mine == theirs else 0, 1 if step == self.step_index else 0], dtype=torch.int32,
+                            device=self.device)
+        _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+              f"every rank's check of step {self.step_index}'s plan")
+        if int(same[1].item()) == 0:  # every rank raises, before any activation moves
+            raise PlanError(f"the ranks are at different steps: rank 0 sent the plan of step {step}, this rank "
+                            f"(rank {self.rank}) is at step {self.step_index}; every rank must call step() for "
+                            "every batch (a rank that skipped or repeated a step leaves the pipeline out of step)")
+        if int(same[0].item()) == 0:
             who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
                    "another rank's digest differs from this one's")
             raise PlanError(
@@ -1182,37 +1336,59 @@ class PipelineRuntime:
                 "a Python set of strings (Hugging Face Gemma3: set(config.layer_types)) follows the hash seed, so "
                 "start every rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: "
                 "PYTHONHASHSEED=0 torchrun ...)")
+        info["workload_s"], info["delivery_s"] = tw, time.perf_counter() - td
+        self._plan_info = info
+        w.microbatches = microbatches
         return w, plan
 
     def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
-             schedule: str | None = None) -> torch.Tensor:
+             schedule: str | None = None, next_batch: Mapping[str, torch.Tensor] | None = None,
+             plan: Plan | None = None) -> torch.Tensor:
         """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
 
         Args:
             batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
-                ``labels [B, S]``).
+                ``labels [B, S]``).  A batch yielded by :func:`prefetch` brings its successor as ``next_batch``.
             n_microbatches: overrides the runtime's microbatch count for this step.
             schedule: overrides the runtime's schedule template for this step (:func:`dipc.schedules`).
+            next_batch: the batch of the next step (same keys; best on the CPU): rank 0's background planner makes
+                its plan while this step runs (DIP §2.2 asynchronous planning), with this step's microbatch count
+                and schedule.  At the next step a plan that is not ready ``plan_wait_s`` seconds after the step
+                began, failed, or whose planner died is replaced by ``fallback_schedule``'s plan made then (a
+                warning on the ``dipc`` logger; counted in :attr:`fallbacks` and the step report); a ``next_batch``
+                that is not the batch the next step gets is planned again then.  Other ranks ignore it.
+            plan: a plan made beforehand for this batch split this way (e.g. by :func:`dipc.simulate` or
+                :func:`dipc.runtime.make_plan`; rank 0's is used, checked against the step's stages, validated
+                unless the background planner made it); the report's ``plan_source`` is then "given".
 
         Returns:
-            the batch loss (0-dim float tensor), identical on every rank.
+            the batch loss (0-dim float tensor), identical on every rank.  :attr:`last_report` describes the step
+            (:class:`StepReport`).
 
         Raises:
             dipc.batch.BatchError: the batch is invalid (raised on every rank before any communication).
-            ValueError: unknown ``schedule`` (on every rank, before any communication).
+            ValueError: unknown ``schedule``, or a bad ``n_microbatches`` (on every rank, before any communication).
             dipc.plan.PlanError: plan delivery or execution is inconsistent.
             RuntimeError: a distributed wait exceeded the timeout.
         """
         t0 = time.perf_counter()
+        if next_batch is None:
+            next_batch = getattr(batch, "next_batch", None)
         if self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                      for k, v in batch.items()}
         schedule = self.schedule if schedule is None else schedule
         from .codegen.templates import template
         template(schedule)  # an unknown name raises on every rank, before any communication
-        mbs = split_for(self.compiled, batch, self.n_microbatches if n_microbatches is None else n_microbatches,
-                        schedule)
-        w, plan = self.plan_step(mbs, schedule)
+        n = self.n_microbatches if n_microbatches is None else n_microbatches
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
+        mbs = split_for(self.compiled, batch, n, schedule)
+        w, plan = self.plan_step(mbs, schedule, batch, given=plan)
+        mbs = w.microbatches
+        info = self._plan_info
+        if self.rank == 0 and next_batch is not None:  # planned while this step runs
+            self._submit(next_batch, n, schedule)
         t1 = time.perf_counter()
         # gradients already in tied weights (accumulation over several steps) are not summed across ranks again
         before = {pid: (None if self._param_obj[pid].grad is None else self._param_obj[pid].grad.clone())
@@ -1242,5 +1418,136 @@ class PipelineRuntime:
         self.last_workload = w
         self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
         self.last_microbatches = mbs
+        self.last_report = StepReport(
+            step=self.step_index, schedule=info.get("schedule", schedule), plan_source=info.get("source", "sync"),
+            fallbacks=self.fallbacks, fallback_reason=info.get("why", ""), plan_s=t1 - t0, execute_s=t2 - t1,
+            planner_s=info.get("planner_s"), planner_cpu_s=info.get("planner_cpu_s"), predicted_s=plan.simulated.get("iteration_time"),
+            search=plan.simulated.get("search"), simulation=info.get("simulation"), _pipe=self, _plan=plan,
+            _workload=w)
         self.step_index += 1
         return loss
+
+    def _submit(self, next_batch, n: int, schedule: str) -> None:
+        from .codegen.templates import template
+        from .planner.background import BackgroundPlanner
+
+        if self._planner is None:
+            self._planner = BackgroundPlanner(self.compiled, {"memory_limit": self.memory_limit,
+                                                              "recompute": self.recompute})
+        budget = self.budget_s if template(schedule).kind == "interleave" else 0.0
+        try:
+            self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1)
+        except (TypeError, ValueError) as e:  # not sendable: the next step plans synchronously
+            log.warning("dipc: step %d's next batch cannot go to the background planner (%s); it will be planned "
+                        "synchronously", self.step_index, e)
+
+    def close(self) -> None:
+        """Stop this rank's background planner, if any (idempotent; the process also exits with this one)."""
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What :meth:`PipelineRuntime.step` did (``pipe.last_report``; DIP's plan report, §2.2/§2.4).
+
+    Attributes:
+        step: the step index.
+        schedule: the template that ran ("dip" or a fallback).
+        plan_source: "async" (made by the background planner while the previous step ran), "sync" (made by rank 0
+            at the start of the step), "given" (``step(plan=...)``) or "fallback" (the background plan missed its
+            deadline, failed or its process died: ``schedule`` is the fallback template's).
+        fallbacks: steps of this runtime that fell back so far.
+        fallback_reason: why this step did not get its background plan ("" when it did, or none was asked for).
+        plan_s: seconds of the training thread from the step's start to the plan's delivery (splitting, the
+            workload, planning when synchronous, the header broadcast and digest check).
+        execute_s: seconds of the plan's execution and the step's all-reduces.
+        planner_s: wall seconds the background planner took for this plan, waiting for idle cores included (None
+            when it did not make it); ``planner_cpu_s`` its CPU seconds.
+        predicted_s: the plan's simulated iteration time in seconds (the device profile's, or the first estimate).
+        search: the MCTS progress of ``plan.simulated["search"]`` (rollouts, best score over time), or None.
+        simulation: the simulated step's ``iteration_time``, ``bound``, ``bubble_ratio``, ``bubble_causes`` (per
+            rank: busy, fill, waits, drain, posting seconds) and ``peak_memory`` (bytes per rank); made by the
+            background planner after the plan (read when asked for), or on first use of :meth:`simulate`.
+    """
+
+    step: int
+    schedule: str
+    plan_source: str
+    fallbacks: int
+    fallback_reason: str
+    plan_s: float
+    execute_s: float
+    planner_s: float | None
+    planner_cpu_s: float | None
+    predicted_s: float | None
+    search: dict | None
+    simulation: dict | None
+    _pipe: Any = dataclasses.field(default=None, repr=False)
+    _plan: Any = dataclasses.field(default=None, repr=False)
+    _workload: Any = dataclasses.field(default=None, repr=False)
+
+    def _fetch(self) -> dict | None:
+        planner = getattr(self._pipe, "_planner", None)
+        if self.simulation is None and self.plan_source == "async" and planner is not None:
+            self.simulation = planner.simulation(self.step)  # sent after the plan; never waits
+        return self.simulation
+
+    def simulate(self) -> dict:
+        """:attr:`simulation`: the background planner's when it sent it, else made now (on this rank)."""
+        if self._fetch() is None:
+            from .planner.background import _summary
+
+            self.simulation = _summary(self._pipe.compiled, self._workload, self._plan,
+                                       self._pipe.compiled.rank_state_bytes())
+        return self.simulation
+
+    def summary(self) -> str:
+        """One line: the schedule and where its plan came from, planning time on the training thread and in the
+        background planner, predicted vs measured seconds, the simulated bubble ratio when known, fallbacks."""
+        parts = [f"step {self.step}", f"{self.schedule} ({self.plan_source})",
+                 f"plan {self.plan_s * 1e3:.1f} ms"]
+        if self.planner_s is not None:
+            parts.append(f"planner {self.planner_s * 1e3:.1f} ms ({self.planner_cpu_s * 1e3:.1f} ms CPU)")
+        if self.predicted_s is not None:
+            parts.append(f"predicted {self.predicted_s * 1e3:.3f} ms")
+        parts.append(f"measured {self.execute_s * 1e3:.1f} ms")
+        if self._fetch() is not None:
+            parts.append(f"bubble {self.simulation['bubble_ratio']:.1%}")
+        if self.search:
+            parts.append(f"search {self.search.get('rollouts', 0)} rollouts")
+        parts.append(f"fallbacks {self.fallbacks}")
+        return "  ".join(parts)
+
+
+class _Lookahead(dict):
+    """A batch (a plain dict) that also carries the next one (``next_batch``, None for the last)."""
+
+    next_batch: Mapping[str, torch.Tensor] | None = None
+
+
+def prefetch(iterable):
+    """Yield the batches of ``iterable`` one ahead: each is a dict carrying its successor as ``.next_batch``, which
+    :meth:`PipelineRuntime.step` hands to the background planner (DIP §2.2 asynchronous planning)::
+
+        for batch in dipc.prefetch(loader):
+            loss = pipe.step(batch)
+
+    Reads one batch ahead of what it yields (the first ``next`` reads two); batches must be mappings."""
+    it = iter(iterable)
+    try:
+        cur = next(it)
+    except StopIteration:
+        return
+    while True:
+        try:
+            nxt = next(it)
+        except StopIteration:
+            nxt = None
+        out = _Lookahead(cur)
+        out.next_batch = None if nxt is None else nxt
+        yield out
+        if nxt is None:
+            return
+        cur = nxt

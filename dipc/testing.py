@@ -70,7 +70,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
                     batches_args: Sequence[Any], compile_kwargs: Mapping[str, Any] | None = None,
                     n_microbatches: int = 2, seed: int = 0, lr: float = 1e-3, rtol: float = 1e-5,
                     atol: float = 1e-6, param_atol: float = 1e-5, check_state_dict: bool = True,
-                    runtime_kwargs: Mapping[str, Any] | None = None) -> dict:
+                    runtime_kwargs: Mapping[str, Any] | None = None, prefetch: bool = False) -> dict:
     """Train a pipeline and the unsplit model side by side and assert they agree (see the module docstring).
 
     Args:
@@ -80,6 +80,9 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
             batch for compilation, the rest are the training steps.
         compile_kwargs: extra arguments of :func:`dipc.compile`.
         runtime_kwargs: extra arguments of :meth:`dipc.CompiledPipeline.runtime` (e.g. ``recompute=True``).
+        prefetch: iterate the steps through :func:`dipc.prefetch`, so each step's plan is made by the background
+            planner while the previous step runs (asynchronous planning); the report's ``sources`` lists where each
+            step's plan came from.
         n_microbatches: microbatches per step.
         lr: AdamW learning rate.
         rtol, atol: tolerance for losses and gradients (fp32; differences come only from summing microbatch
@@ -111,8 +114,11 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     report = {"loss": [], "ref_loss": [], "grad_err": 0.0, "param_err": 0.0, "n_params": 0, "timing": [],
               "compile_s": compile_s, "n_programs": 0}
-    for i, batch in enumerate(batches[1:]):
+    report["sources"] = []
+    steps = dipc.prefetch(batches[1:]) if prefetch else batches[1:]
+    for i, batch in enumerate(steps):
         loss = pipe.step(batch)
+        report["sources"].append(pipe.last_report.plan_source)
         ref_loss = unsplit_loss(ref, batch)
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol,
@@ -139,6 +145,7 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
                                        msg=lambda m: f"rank {rank} step {i}: parameter {name} differs: {m}")
             report["param_err"] = max(report["param_err"], _max_err(p, ref_params[name]))
     report["n_programs"] = len(compiled.programs)
+    report["fallbacks"] = pipe.fallbacks
     if check_state_dict:
         sd = pipe.full_state_dict()
         torch.manual_seed(seed + 1)
@@ -156,4 +163,5 @@ def reference_check(rank: int, world: int, model_fn: str, model_args: Sequence[A
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol,
                                    msg=lambda m: f"loaded state dict gives another loss than the pipeline: {m}")
         report["state_dict_loss"] = (float(a), float(b))
+    pipe.close()
     return report

@@ -8,9 +8,14 @@
 Every rank builds the model from the same seed (random init, no download), compiles it with :func:`dipc.compile`,
 and trains with AdamW on generated batches whose images per sample and text lengths vary like real interleaved
 image-text data (see :mod:`dipc.models.data` for the published statistics used).  Rank 0 prints per step the loss,
-the microbatches (images in each), the sub-microbatches, the planning time (which includes re-capturing the model
-when a batch brings a shape the model fixes, e.g. a new image count for HF LLaVA), the planner's simulated
-iteration time (first, uncalibrated cost estimate) and the measured step time.
+the microbatches (images in each), the sub-microbatches, and the step report's line
+(:meth:`dipc.runtime.StepReport.summary`): which schedule ran and where its plan came from (``async``: made by the
+background planner while the previous step ran, DIP §2.2; ``sync``: made at the start of the step, as the first
+step's is; ``fallback``: the background plan was late), the planning time on the training thread (which includes
+re-capturing the model when a batch brings a shape the model fixes, e.g. a new image count for HF LLaVA) and in the
+background planner, the simulated iteration time (first, uncalibrated cost estimate) against the measured one, the
+simulated bubble ratio, and the fallbacks so far.  ``--sync-planning`` plans every step at its start instead;
+``--report STEP`` writes that step's measured Gantt chart (PNG, needs matplotlib) and Chrome trace (JSON).
 """
 from __future__ import annotations
 
@@ -56,10 +61,11 @@ def _run(rank: int, world: int, args) -> list:
         if args.save:
             compiled.save(args.save)
             print(f"wrote chunk sources to {args.save}/", flush=True)
-    pipe = compiled.runtime(n_microbatches=args.microbatches)
+    pipe = compiled.runtime(n_microbatches=args.microbatches, timeout=args.timeout)
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
     history = []
-    for step, batch in enumerate(batches[1:]):
+    steps = batches[1:] if args.sync_planning else dipc.prefetch(batches[1:])
+    for step, batch in enumerate(steps):
         t = time.perf_counter()
         loss = pipe.step(batch)
         opt.step()
@@ -68,14 +74,25 @@ def _run(rank: int, world: int, args) -> list:
         mbs = pipe.last_microbatches
         images = [sum(mb.instances.values()) for mb in mbs]
         subs = sum(len(v) for mb in mbs for v in mb.subs.values())
-        sim = pipe.last_plan.simulated.get("iteration_time", 0.0)
         history.append((float(loss), dt))
+        if args.report is not None and step == args.report:
+            events = pipe.trace_events()  # a collective: every rank
+            if rank == 0:
+                from dipc.trace import gantt_png, write_chrome_trace
+                os.makedirs(args.report_dir, exist_ok=True)
+                base = os.path.join(args.report_dir, f"step{step}")
+                write_chrome_trace(events, base + ".json", f"{args.model} step {step}")
+                try:
+                    gantt_png(events, base + ".png", f"{args.model} step {step} ({pipe.last_report.schedule})")
+                    print(f"wrote {base}.png and {base}.json", flush=True)
+                except ImportError:
+                    print(f"wrote {base}.json (matplotlib is not installed: no Gantt PNG)", flush=True)
         if rank == 0:
             shape = "x".join(str(s) for s in next(iter(batch.values())).shape)
             enc = f" (images {images})  sub-microbatches {subs}" if compiled.batch_spec.instances else ""
             print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)}{enc}  "
-                  f"plan {pipe.last_timing['plan_s'] * 1e3:.0f} ms  simulated {sim * 1e3:.3f} ms  "
-                  f"step {dt * 1e3:.0f} ms", flush=True)
+                  f"step {dt * 1e3:.0f} ms | {pipe.last_report.summary()}", flush=True)
+    pipe.close()
     if rank == 0 and len(history) >= 10:
         first = sum(l for l, _ in history[:5]) / 5
         last = sum(l for l, _ in history[-5:]) / 5
@@ -97,6 +114,11 @@ def main(argv=None) -> None:
     p.add_argument("--save", default=None, help="write the generated chunk sources to this folder")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds any distributed wait may take")
+    p.add_argument("--sync-planning", action="store_true",
+                   help="plan each step at its start instead of in the background during the previous step")
+    p.add_argument("--report", type=int, default=None, metavar="STEP",
+                   help="write this step's measured Gantt chart and Chrome trace to --report-dir")
+    p.add_argument("--report-dir", default="dipc_report", help="folder for --report")
     args = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         from dipc.launch import init_from_env

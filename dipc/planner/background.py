@@ -1,0 +1,303 @@
+"""Asynchronous planning: the plan of step t+1 is made in a background process while step t runs (DIP §2.2).
+
+One :class:`BackgroundPlanner` per pipeline lives in the pipeline's rank 0.  It forks a planning process the first
+time it is given a batch (the fork inherits the compiled pipeline: its captures, cost models and partition, so
+nothing of it is serialised), then sends it each next batch as a frame of JSON metadata and the raw bytes of its
+tensors, and reads back the plan as JSON text.  Nothing is pickled on either side.  The process plans exactly as
+the synchronous path would (:func:`dipc.runtime.split_for`, :func:`dipc.runtime.build_workload`,
+:func:`dipc.runtime.make_plan`, validated) and also simulates the plan, so that the step report's bubble ratio, its
+causes and the peak memory cost the training process nothing.
+
+The planning process runs at the lowest CPU priority (Linux ``SCHED_IDLE``, else ``nice`` 19): it plans on the cores
+the training processes leave idle.  It sends the plan first and then, unless the next batch already waits, the simulated figures of the
+step report.  The runtime asks for a step's plan with :meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for
+another batch, or that failed, or a planning process that died, gives ``None`` and the reason; the runtime then
+plans the step with its fallback template and says so (the planning process is restarted for the next batch when it
+died).  When several batches are queued, the process skips to the newest (older ones would be late anyway).
+
+Testing knobs, read by the planning process when it starts: ``DIPC_PLANNER_DELAY_S`` (seconds it sleeps before each
+plan: a planner slowed on purpose) and ``DIPC_PLANNER_FAIL`` (non-empty: each plan raises).
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp  # Pipe only: framed bytes, no pickle
+import os
+import queue
+import struct
+import threading
+import time
+import warnings
+from typing import Any, Mapping
+
+import torch
+
+from ..wire import decode_json, encode_json
+
+__all__ = ["BackgroundPlanner", "encode_batch", "decode_batch"]
+
+log = logging.getLogger("dipc")
+
+
+def encode_batch(header: Mapping[str, Any], batch: Mapping[str, Any]) -> bytes:
+    """One frame: an 8-byte length, the JSON ``header`` with the batch's layout, then the tensors' raw bytes.
+
+    Tensors (any device: copied to the CPU) travel as bytes with their dtype and shape; other values must be JSON
+    (``TypeError`` otherwise)."""
+    layout, values, blobs, off = [], {}, [], 0
+    for k, v in batch.items():
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu").contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            layout.append([k, str(t.dtype).removeprefix("torch."), list(t.shape), off, len(raw)])
+            blobs.append(raw)
+            off += len(raw)
+        else:
+            values[k] = v
+    head = encode_json({"header": dict(header), "tensors": layout, "values": values})
+    return struct.pack("<Q", len(head)) + head + b"".join(blobs)
+
+
+def decode_batch(frame: bytes) -> tuple[dict, dict]:
+    """The inverse of :func:`encode_batch`: ``(header, batch)`` (tensors on the CPU)."""
+    (n,) = struct.unpack_from("<Q", frame, 0)
+    meta = decode_json(frame[8:8 + n])
+    base = 8 + n
+    data = bytearray(frame[base:])
+    batch: dict[str, Any] = dict(meta["values"])
+    for k, dtype, shape, off, size in meta["tensors"]:
+        dt = getattr(torch, dtype)
+        if size:
+            t = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=off).view(dt).reshape(shape).clone()
+        else:
+            t = torch.empty(shape, dtype=dt)
+        batch[k] = t
+    return meta["header"], batch
+
+
+def _summary(compiled, w, plan, static_bytes) -> dict:
+    """The simulated step of ``plan`` as the step report shows it (JSON)."""
+    from ..simulate import simulate_workload
+
+    res = simulate_workload(compiled, w, plan, static_bytes=static_bytes)
+    return {"iteration_time": res.iteration_time, "bound": res.bound, "bubble_ratio": res.bubble_ratio,
+            "bubble_causes": res.bubble_causes(), "peak_memory": list(res.peak_memory)}
+
+
+def _serve(conn, compiled, options: dict) -> None:
+    """The planning process's loop (runs after the fork; never returns)."""
+    from ..runtime import build_workload, make_plan, set_recompute, split_for, workload_digest
+
+    code = 0
+    try:
+        torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is not the child's
+        try:  # DIP plans on idle CPU cores: SCHED_IDLE yields the core at once to a training process that wakes
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError):  # not Linux: the lowest nice level instead
+            try:
+                os.nice(19)
+            except (OSError, AttributeError):
+                pass
+        delay = float(os.environ.get("DIPC_PLANNER_DELAY_S", "0") or 0)
+        fail = bool(os.environ.get("DIPC_PLANNER_FAIL"))
+        static = compiled.rank_state_bytes(options.get("optimizer_states", 2))
+        while True:
+            try:
+                frame = conn.recv_bytes()
+                while conn.poll(0):  # several queued: only the newest can still be in time
+                    frame = conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            head, batch = decode_batch(frame)
+            t0, c0 = time.perf_counter(), time.process_time()
+            reply: dict[str, Any] = {"step": head["step"]}
+            try:
+                if delay:
+                    time.sleep(delay)
+                if fail:
+                    raise RuntimeError("DIPC_PLANNER_FAIL is set: the planner fails on purpose")
+                mbs = split_for(compiled, batch, head["n_microbatches"], head["schedule"])
+                w = build_workload(compiled, mbs)
+                if options.get("recompute"):
+                    set_recompute(w, True)
+                plan = make_plan(compiled, w, head["step"], memory_limit=options.get("memory_limit"),
+                                 schedule=head["schedule"], budget_s=head["budget_s"], seed=head["seed"])
+                text = plan.to_json()
+                reply.update(digest=workload_digest(w), plan=text)
+            except Exception as e:  # the runtime falls back; the process goes on with the next batch
+                reply["error"] = f"{type(e).__name__}: {e}"
+                plan = None
+            reply["seconds"] = time.perf_counter() - t0  # wall: includes waiting for an idle core
+            reply["cpu_seconds"] = time.process_time() - c0
+            try:
+                conn.send_bytes(encode_json(reply))
+                if plan is not None and not conn.poll(0):  # then, unless the next batch waits, the report's figures
+                    conn.send_bytes(encode_json({"step": head["step"],
+                                                 "simulation": _summary(compiled, w, plan, static)}))
+            except (BrokenPipeError, OSError):
+                break
+    except BaseException:  # noqa: BLE001 - a dying planner must not run the parent's atexit handlers
+        code = 1
+    finally:
+        os._exit(code)
+
+
+class BackgroundPlanner:
+    """A planning process for one pipeline (lives in its rank 0; DIP §2.2 asynchronous planning).
+
+    Args:
+        compiled: the :class:`dipc.CompiledPipeline` (inherited by the forked process, not serialised).
+        options: the runtime's planning options: ``memory_limit`` (bytes or None), ``recompute`` (bool),
+            ``optimizer_states`` (int).
+
+    The process is started by the first :meth:`submit` and restarted by the next one after it died.
+    """
+
+    def __init__(self, compiled, options: Mapping[str, Any]):
+        self.compiled = compiled
+        self.options = dict(options)
+        self.pid: int | None = None
+        self.exitcode: int | None = None
+        self.conn = None
+        self.starts = 0
+        self.submitted: int | None = None  # step of the newest batch sent
+        self.inbox: dict[int, dict] = {}  # step -> plan reply
+        self.simulations: dict[int, dict] = {}  # step -> the simulated figures of its plan
+        self._sender = None
+        self._outbox = None
+
+    def _start(self) -> None:
+        # os.fork, not multiprocessing.Process: the compiled pipeline is inherited, never pickled, and a rank that
+        # is itself a daemonic process (dipc.launch.spawn, pytest workers) may still have this child
+        parent, child = mp.Pipe(duplex=True)
+        with warnings.catch_warnings():  # Python >= 3.12 warns on fork with threads (gloo's): the child runs
+            warnings.simplefilter("ignore", DeprecationWarning)  # only pure planning code, no thread it lacks
+            pid = os.fork()
+        if pid == 0:  # the planning process
+            parent.close()
+            _serve(child, self.compiled, self.options)
+        child.close()
+        self.pid, self.exitcode = pid, None
+        self.conn = parent
+        self.starts += 1
+
+    def _reap(self, block: bool = False) -> None:
+        if self.pid is None or self.exitcode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            self.exitcode = -1
+            return
+        if pid:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+
+    def alive(self) -> bool:
+        """Whether the planning process runs."""
+        self._reap()
+        return self.pid is not None and self.exitcode is None
+
+    def submit(self, step: int, batch: Mapping[str, Any], n_microbatches: int, schedule: str, budget_s: float,
+               seed: int) -> None:
+        """Send step ``step``'s batch to the planning process (starting or restarting it first).  The frame is
+        written by a sender thread, so the training thread does not wait for the planner to read it.
+
+        Raises:
+            TypeError: a non-tensor value of ``batch`` is not JSON.
+        """
+        frame = encode_batch({"step": step, "n_microbatches": n_microbatches, "schedule": schedule,
+                              "budget_s": budget_s, "seed": seed}, batch)
+        if not self.alive():
+            if self.pid is not None:
+                log.warning("dipc: the background planner exited (code %s); restarting it", self.exitcode)
+            self.close()
+            self._start()
+        if self._sender is None or not self._sender.is_alive():
+            self._outbox = queue.Queue()
+            self._sender = threading.Thread(target=self._send_loop, args=(self.conn, self._outbox), daemon=True,
+                                            name="dipc-planner-sender")
+            self._sender.start()
+        self._outbox.put(frame)
+        self.submitted = step
+
+    @staticmethod
+    def _send_loop(conn, outbox) -> None:
+        while True:
+            frame = outbox.get()
+            if frame is None:
+                return
+            try:
+                conn.send_bytes(frame)
+            except (BrokenPipeError, OSError, ValueError):  # the planner died or was closed: take() says so
+                return
+
+    def _read(self, timeout: float) -> bool:
+        """Read one message within ``timeout`` seconds into the inbox; False when none came.
+
+        Raises:
+            EOFError, OSError: the planning process closed its end (died)."""
+        if not self.conn.poll(max(timeout, 0.0)):
+            return False
+        msg = decode_json(self.conn.recv_bytes())
+        if "simulation" in msg and "plan" not in msg:
+            self.simulations[msg["step"]] = msg["simulation"]
+        else:
+            self.inbox[msg["step"]] = msg
+        return True
+
+    def take(self, step: int, wait_s: float) -> tuple[dict | None, str]:
+        """The planner's reply for ``step`` (``{"step", "digest", "plan", "seconds"}``), waiting at most ``wait_s``
+        seconds; ``(None, reason)`` when it is not there in time, failed or the process died."""
+        if self.submitted != step or self.conn is None:
+            return None, "no batch for this step was given to the planner"
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        while step not in self.inbox:
+            try:
+                if not self._read(deadline - time.monotonic()):
+                    return None, f"the plan was not ready {wait_s:g} s after the step began (deadline missed)"
+            except (EOFError, OSError):
+                for _ in range(100):  # it closed its end: collect its exit status (within 1 s)
+                    if not self.alive():
+                        break
+                    time.sleep(0.01)
+                return None, f"the planner process died (exit code {self.exitcode})"
+        reply = self.inbox.pop(step)
+        for old in [s for s in self.inbox if s < step]:
+            del self.inbox[old]
+        if "error" in reply:
+            return None, f"the planner failed: {reply['error']}"
+        return reply, ""
+
+    def simulation(self, step: int) -> dict | None:
+        """The simulated figures of step ``step``'s plan if they arrived (never waits)."""
+        try:
+            while self.conn is not None and self._read(0.0):
+                pass
+        except (EOFError, OSError):
+            pass
+        for old in [s for s in self.simulations if s < step]:
+            del self.simulations[old]
+        return self.simulations.pop(step, None)
+
+    def close(self) -> None:
+        """Stop the planning process (it also exits when this process does: its pipe closes)."""
+        if self._outbox is not None:
+            self._outbox.put(None)
+            self._sender = None
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+        if self.pid is not None and self.alive():
+            for _ in range(50):  # it exits on the closed pipe once its current plan is done
+                if not self.alive():
+                    break
+                time.sleep(0.01)
+            if self.alive():
+                import signal
+
+                os.kill(self.pid, signal.SIGKILL)
+                self._reap(block=True)
+        self.pid = None
+        self.conn = None

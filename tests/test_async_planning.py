@@ -1,0 +1,160 @@
+"""Asynchronous planning (DIP §2.2) and plan delivery without pickle, on 2 CPU ranks (gloo).
+
+One process group runs every scenario (a fresh runtime each, so that each gets its own background planner with the
+environment the scenario sets), and every step's loss and gradients are compared with the unsplit model on the same
+batch:
+
+* ``dipc.prefetch`` / ``next_batch``: plans made in the background while the previous step runs, exact;
+* a planner slowed on purpose (``DIPC_PLANNER_DELAY_S``) misses its deadline: the step runs the fallback template
+  without waiting for it, the ``dipc`` logger says so and the report counts it;
+* a planner that raises (``DIPC_PLANNER_FAIL``) and one killed with SIGKILL: the step falls back, training goes
+  on, and a killed planner is restarted for the next batch;
+* a ``next_batch`` that is not the next step's batch: planned again synchronously;
+* with ``pickle.loads`` / ``pickle.Unpickler`` made to fail in every rank, steps (synchronous and asynchronous), the
+  gathered state dict and the trace events still work: nothing pickled reaches a socket.
+"""
+import pytest
+
+from dipc.launch import spawn
+
+TIMEOUT = 240
+
+
+def _compare(pipe, ref, batch, loss, rank, what):
+    import torch
+    from dipc.testing import unsplit_loss
+
+    ref.zero_grad(set_to_none=True)
+    want = unsplit_loss(ref, batch)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6,
+                               msg=lambda m: f"rank {rank} {what}: loss differs: {m}")
+    params = dict(ref.named_parameters(remove_duplicate=False))
+    for name, p in pipe.named_parameters():
+        rp = params[name]
+        if rp.grad is None:
+            assert p.grad is None or not p.grad.any(), f"rank {rank} {what}: unexpected gradient of {name}"
+            continue
+        torch.testing.assert_close(p.grad, rp.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank} {what}: gradient of {name} differs: {m}")
+    for p in pipe.parameters():
+        p.grad = None
+
+
+def _scenarios(rank, world):
+    import copy
+    import logging
+    import os
+    import pickle
+    import signal
+
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    import dipc
+    import pipeline_cases as pc
+
+    torch.manual_seed(0)
+    model = pc.vlm()
+    ref = copy.deepcopy(model)
+    batches = pc.vlm_batches_mixed()
+    compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 2})
+    steps = batches[1:]
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logging.getLogger("dipc").addHandler(Keep())
+    out = {}
+
+    def run(label, env=None, **kw):
+        os.environ.pop("DIPC_PLANNER_DELAY_S", None)
+        os.environ.pop("DIPC_PLANNER_FAIL", None)
+        os.environ.update(env or {})
+        pipe = compiled.runtime(n_microbatches=2, timeout=60, **kw)
+        reports = []
+        try:
+            for i, batch in enumerate(dipc.prefetch(steps)):
+                loss = pipe.step(batch)
+                _compare(pipe, ref, batch, loss, rank, f"{label} step {i}")
+                reports.append(pipe.last_report)
+                if label == "killed" and rank == 0 and i == 0:  # the planner is busy with step 1's batch
+                    os.kill(pipe._planner.pid, signal.SIGKILL)
+        finally:
+            pipe.close()
+        out[label] = [(r.plan_source, r.schedule, r.fallback_reason) for r in reports]
+        out[label + "_fallbacks"] = pipe.fallbacks
+        return pipe, reports
+
+    # background plans, exact
+    _, reps = run("async")
+    assert [r.plan_source for r in reps] == ["sync"] + ["async"] * (len(steps) - 1), out["async"]
+    if rank == 0:
+        assert all(r.planner_s is not None for r in reps[1:])
+        sim = reps[1].simulate()  # the planner's figures (or made now): the report's bubble ratio and its causes
+        assert 0 <= sim["bubble_ratio"] < 1 and len(sim["bubble_causes"]) == world and len(sim["peak_memory"]) == world
+        assert "async" in reps[1].summary() and "bubble" in reps[1].summary()
+    # a planner slowed on purpose: the step does not wait for it
+    records.clear()
+    _, reps = run("slow", {"DIPC_PLANNER_DELAY_S": "30"}, plan_wait_s=0.05)
+    assert [r.plan_source for r in reps[1:]] == ["fallback"] * (len(steps) - 1), out["slow"]
+    assert all(r.schedule == "1f1b" for r in reps[1:])
+    if rank == 0:
+        assert all("deadline missed" in r.fallback_reason for r in reps[1:]), out["slow"]
+        assert reps[-1].fallbacks == len(steps) - 1
+        assert any("running the '1f1b' template instead" in m for m in records), records
+        # not blocked: each step waited its 0.05 s deadline, far from the planner's 30 s
+        assert max(r.plan_s for r in reps) < 10.0, [r.plan_s for r in reps]
+    # a planner that raises
+    _, reps = run("fail", {"DIPC_PLANNER_FAIL": "1"}, fallback_schedule="gpipe")
+    assert [r.plan_source for r in reps[1:]] == ["fallback"] * (len(steps) - 1), out["fail"]
+    if rank == 0:
+        assert all("fails on purpose" in r.fallback_reason for r in reps[1:]), out["fail"]
+    # a planner killed mid-plan: that step falls back, the next one gets a restarted planner's plan
+    _, reps = run("killed", {"DIPC_PLANNER_DELAY_S": "1"}, plan_wait_s=20)
+    assert reps[1].plan_source == "fallback" and reps[2].plan_source == "async", out["killed"]
+    if rank == 0:
+        assert "died" in reps[1].fallback_reason, out["killed"]
+    # a wrong look-ahead: planned again, exact
+    pipe = compiled.runtime(n_microbatches=2, timeout=60)
+    try:
+        loss = pipe.step(steps[0], next_batch=steps[2])
+        _compare(pipe, ref, steps[0], loss, rank, "wrong look-ahead step 0")
+        loss = pipe.step(steps[1])
+        _compare(pipe, ref, steps[1], loss, rank, "wrong look-ahead step 1")
+        out["wrong"] = pipe.last_report.plan_source
+        assert pipe.last_report.plan_source == "sync" and pipe.fallbacks == 0
+    finally:
+        pipe.close()
+
+    # nothing pickled reaches a socket: unpickling fails in this rank from here on
+    def refuse(*a, **k):
+        raise AssertionError("pickle was used to read a message")
+
+    saved = (pickle.loads, pickle.Unpickler, c10d._unpickler)
+    pickle.loads, pickle.Unpickler, c10d._unpickler = refuse, refuse, refuse
+    try:
+        pipe = compiled.runtime(n_microbatches=2, timeout=60)
+        for i, batch in enumerate(dipc.prefetch(steps[:3])):
+            loss = pipe.step(batch)
+            _compare(pipe, ref, batch, loss, rank, f"no-pickle step {i}")
+        sd = pipe.full_state_dict()
+        events = pipe.trace_events()
+        pipe.close()
+    finally:
+        pickle.loads, pickle.Unpickler, c10d._unpickler = saved
+    want = ref.state_dict()
+    assert set(sd) == set(want), sorted(set(sd) ^ set(want))
+    for k, v in want.items():
+        assert torch.equal(sd[k], v), f"{k} differs in the gathered state dict"
+    assert {e["rank"] for e in events} == set(range(world))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_async_planning_fallbacks_and_no_pickle_2_ranks():
+    out = spawn(_scenarios, 2, (), timeout=TIMEOUT)
+    for label in ("async", "slow", "fail", "killed"):  # every rank ran the same schedules from the same sources
+        assert [s[:2] for s in out[0][label]] == [s[:2] for s in out[1][label]], label
