@@ -765,6 +765,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError("one_segment=True cuts the whole model as one module, 'model'; modalities= does not apply "
                          "(give chunks_per_rank={'model': v} or split_points={'model': [...]})")
     auto_b: set[str] = set()
+    for m, b in dict(sub_microbatch_size or {}).items():  # before the family rules read them (int() would truncate)
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"sub_microbatch_size for {m!r} must be an int >= 1, got {b!r}")
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
         auto_b = {i.modality for i in instances} - set(sub_microbatch_size or {})
@@ -777,8 +780,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"sub_microbatch_size names {unknown}, but the instance modalities are "
                          f"{[i.modality for i in instances]}")
     for i in instances:
-        if i.sub_microbatch_size < 1:
-            raise ValueError(f"sub_microbatch_size for {i.modality!r} must be >= 1, got {i.sub_microbatch_size}")
+        b = i.sub_microbatch_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"sub_microbatch_size for {i.modality!r} must be an int >= 1, got {b!r}")
     if isinstance(loss, str) and loss not in ("token_mean", "sample_mean", "sum"):
         raise ValueError(f"loss must be 'token_mean', 'sample_mean', 'sum' or a dipc.LossReduction, got {loss!r}")
     if isinstance(device, str):

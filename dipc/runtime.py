@@ -1390,28 +1390,37 @@ class PipelineRuntime:
         if self.rank == 0 and next_batch is not None:  # planned while this step runs
             self._submit(next_batch, n, schedule)
         t1 = time.perf_counter()
-        # gradients already in tied weights (accumulation over several steps) are not summed across ranks again
-        before = {pid: (None if self._param_obj[pid].grad is None else self._param_obj[pid].grad.clone())
-                  for pid, _ in self._tied}
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
-                      yield_after_post=dist.get_backend(self.group) == "gloo")
-        ex.run()
-        ex.finish()
-        zero_unreached_grads(self.compiled, w, {self.rank})
-        for pid, grp in self._tied:
-            p = self._param_obj[pid]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            delta = p.grad if before[pid] is None else p.grad - before[pid]
-            work = dist.all_reduce(delta, group=grp, async_op=True)
-            work.wait(self.transport.timeout)
-            if before[pid] is not None:
-                p.grad = before[pid] + delta
-        local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32,
-                                                                                  device=self.device))
-        loss = local.detach().to(torch.float32).clone()
-        work = dist.all_reduce(loss, group=self.group, async_op=True)
-        work.wait(self.transport.timeout)
+        # this step's gradients accumulate into fresh .grad tensors; those of earlier steps (accumulation over steps)
+        # are added back once the step succeeded, and restored untouched when it raises (nothing half-accumulated)
+        stash = [(p, p.grad) for p in self.parameters()]
+        for p, _ in stash:
+            p.grad = None
+        try:
+            ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+                          yield_after_post=dist.get_backend(self.group) == "gloo")
+            ex.run()
+            ex.finish()
+            zero_unreached_grads(self.compiled, w, {self.rank})
+            from .wire import _wait
+
+            for pid, grp in self._tied:  # a tied weight's ranks sum this step's gradients
+                p = self._param_obj[pid]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _wait(dist.all_reduce(p.grad, group=grp, async_op=True), self.timeout,
+                      f"step {self.step_index}'s gradient all-reduce of a tied weight")
+            local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32,
+                                                                                      device=self.device))
+            loss = local.detach().to(torch.float32).clone()
+            _wait(dist.all_reduce(loss, group=self.group, async_op=True), self.timeout,
+                  f"step {self.step_index}'s loss all-reduce")
+        except BaseException:
+            for p, g in stash:
+                p.grad = g
+            raise
+        for p, g in stash:
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
         t2 = time.perf_counter()
         self.last_plan = plan
         self.last_timeline = ex.timeline

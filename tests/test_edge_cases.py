@@ -177,3 +177,25 @@ def test_outputs_and_models_dipc_refuses():
     with pytest.raises(PartitionError, match=r"split_points\['text'\] must be a list of module paths, got 'layers.2'"):
         dipc.compile(Classifier(), {"input_ids": ids, "labels": torch.tensor([1, 2, 3, 4])}, 2,
                      split_points={"text": "layers.2"})
+
+
+def test_runtime_and_compile_arguments_out_of_range_are_refused_before_any_communication():
+    """No process group is needed to refuse them: each raises at construction, naming the value."""
+    torch.manual_seed(0)
+    ids = _tokens(4, 6, 0)
+    c = dipc.compile(TupleOut(), {"input_ids": ids, "labels": ids}, 2)
+    for kw, pat in [({"n_microbatches": 0}, r"n_microbatches must be an int >= 1, got 0"),
+                    ({"n_microbatches": True}, r"n_microbatches must be an int >= 1, got True"),
+                    ({"n_microbatches": 2.0}, r"n_microbatches must be an int >= 1, got 2.0"),
+                    ({"timeout": 0}, r"timeout must be a finite number of seconds > 0, got 0"),
+                    ({"timeout": -5.0}, r"timeout must be a finite number of seconds > 0, got -5.0"),
+                    ({"plan_wait_s": -1}, r"plan_wait_s must be a finite number of seconds >= 0, got -1"),
+                    ({"fallback_schedule": "zigzag"}, r"zigzag")]:
+        with pytest.raises(ValueError, match=pat):
+            c.runtime(**kw)
+    from dipc.models import ReferenceVLM, VLMConfig
+    from dipc.models.data import vlm_batches
+    cfg = VLMConfig.tiny()
+    b = next(iter(vlm_batches(cfg, 1, 4, 0)))
+    with pytest.raises(ValueError, match=r"sub_microbatch_size for 'vision' must be an int >= 1, got 1.5"):
+        dipc.compile(ReferenceVLM(cfg), b, 2, sub_microbatch_size={"vision": 1.5})
