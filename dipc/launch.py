@@ -75,7 +75,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
         threads_per_rank: torch intra-op threads per process.
 
     Returns:
-        the per-rank return values of ``fn`` (anything ``torch.save`` can write, tensors included), in rank order.
+        the per-rank return values of ``fn`` in rank order: tensors, numbers, strings, None and lists, tuples and
+        dicts of them (read back with ``torch.load(weights_only=True)``, so a rank's result cannot run code in the
+        parent).
 
     Raises:
         SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
@@ -110,7 +112,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
                                      f"{[procs[r].exitcode for r in dead]})")
                 continue
             if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                # tensors, numbers, strings and containers only: a rank cannot make the parent run code
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=True)
             else:
                 errors[rank] = payload
                 # the others will fail on their timeouts; stop them now

@@ -38,7 +38,7 @@ from .planner.memory import optimize_memory
 from .schedule import (Edge, Stage, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute,
                        timed_schedule)
 
-__all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "build_workload", "run_local", "Executor",
+__all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "StepFailed", "TransportError", "build_workload", "run_local", "Executor",
            "set_recompute", "memory_options", "prefetch"]
 
 log = logging.getLogger("dipc")
@@ -47,25 +47,35 @@ _ALIGN = 64  # bytes: every tensor of a packed message starts at a multiple of t
 
 
 def _layout(specs) -> tuple[list[int], int]:
-    """Byte offset of each tensor of a message in its packed buffer, and the buffer's size (no padding after the
-    last tensor, so a one-tensor message is exactly that tensor's bytes)."""
+    """Byte offset of each tensor of a message in its packed buffer, and the buffer's size: the tensors, then an
+    8-byte-aligned int64 status word (0: data; r + 1: the step failed, first on rank r, and this message carries
+    no data, see :meth:`Executor.run`)."""
     offsets, off, end = [], 0, 0
     for spec in specs:
         offsets.append(off)
         end = off + spec.nbytes
         off += -(-spec.nbytes // _ALIGN) * _ALIGN
-    return offsets, end
+    return offsets, _status_offset(end) + 8
 
 
-def _pack(tensors, specs, device) -> torch.Tensor:
-    """One uint8 buffer holding a message's tensors (one ``isend`` per message, whatever its tensor count)."""
+def _status_offset(end: int) -> int:
+    return -(-end // 8) * 8
+
+
+def _pack(tensors, specs, device, status: int = 0) -> torch.Tensor:
+    """One uint8 buffer holding a message's tensors and its status word (one ``isend`` per message, whatever its
+    tensor count).  ``tensors`` may be empty for an abort message (``status`` > 0)."""
     offsets, total = _layout(specs)
-    if len(tensors) == 1 and tensors[0].is_contiguous():
-        return tensors[0].reshape(-1).view(torch.uint8)
-    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    buf = (torch.empty if tensors else torch.zeros)(total, dtype=torch.uint8, device=device)
     for t, off, spec in zip(tensors, offsets, specs):
         buf[off:off + spec.nbytes].view(t.dtype).view(t.shape).copy_(t)
+    buf[total - 8:].view(torch.int64).fill_(status)
     return buf
+
+
+def _status(buf: torch.Tensor) -> torch.Tensor:
+    """The status word of a packed buffer (an int64 [1] view: reading it on CUDA waits for the device)."""
+    return buf[buf.numel() - 8:].view(torch.int64)
 
 
 def _unpack(buf: torch.Tensor, specs) -> dict[str, torch.Tensor]:
@@ -73,6 +83,27 @@ def _unpack(buf: torch.Tensor, specs) -> dict[str, torch.Tensor]:
     offsets, _ = _layout(specs)
     return {spec.name: buf[off:off + spec.nbytes].view(getattr(torch, spec.dtype)).view(spec.shape)
             for off, spec in zip(offsets, specs)}
+
+
+class _PeerFailed(Exception):
+    """A message of this step came as an abort message: rank ``origin`` failed first (raised inside the executor;
+    the runtime turns it into :class:`StepFailed`)."""
+
+    def __init__(self, origin: int, action):
+        super().__init__(f"rank {origin} failed (seen in {action})")
+        self.origin = origin
+
+
+class StepFailed(RuntimeError):
+    """A pipeline step failed on some rank; every rank of the pipeline raises it, naming the rank that failed
+    first, its action (e.g. ``3B1.0``), the step and the original exception.  Every ``.grad`` is as before the
+    step.  ``origin``: that rank; ``action``: its action's text; ``step``: the step index; ``usable``: whether the
+    process group can run further steps (False after a timed-out or broken connection: gloo closes such a pair)."""
+
+    def __init__(self, message: str, origin: int | None = None, action: str = "", step: int = -1,
+                 usable: bool = True):
+        super().__init__(message)
+        self.origin, self.action, self.step, self.usable = origin, action, step, usable
 
 
 def _rng_state(device: torch.device):
@@ -369,8 +400,17 @@ class _DistTransport:
     def irecv(self, t: torch.Tensor, peer: int, tag: int):
         return dist.irecv(t, src=self.global_rank(peer), group=self.group, tag=tag)
 
-    def wait(self, work):
-        work.wait(self.timeout)
+    def wait(self, work, what: str = "a message"):
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise TransportError(f"rank {dist.get_rank(self.group)} waited up to {self.timeout.total_seconds():g} s "
+                                 f"for {what}: {e}") from e
+
+
+class TransportError(RuntimeError):
+    """A point-to-point wait failed: its timeout passed or its connection broke (a peer died).  With gloo the pair
+    is then closed for good: the process group cannot run further steps."""
 
 
 def _completed(work) -> bool:
@@ -414,7 +454,7 @@ class _LocalTransport:
                     buf.copy_(tr.box.pop(key))
                 return _LocalWork(fill)
 
-            def wait(self, work):
+            def wait(self, work, what=None):
                 work.wait()
         return _View()
 
@@ -452,11 +492,55 @@ class Executor:
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[tuple] = []  # (action, start, end, seconds of it spent waiting for messages)
         self.wait_s: dict[str, float] = {}
+        self.posted: set[int] = set()  # message ids sent or whose receive is posted
+        self.failure = None
+        self.statuses: list[tuple] = []  # CUDA: (status word, action) of received messages, read at finish()
         self.t0 = time.perf_counter()
 
     def run(self, actions=None):
-        for a in (self.plan.ranks[self.rank] if actions is None else actions):
-            self.do(a)
+        """Run this rank's actions (default: all of its plan).  When one raises - here, or as an abort message from
+        a peer that failed - the rest of the plan is drained before the exception goes on: every send still to come
+        goes out as an abort message of the planned size (status = the first failing rank + 1, no data) and every
+        receive still to come is posted and awaited, so that every peer either sees the abort in its next message
+        from this rank or completes its own plan, and no operation is left unmatched in the process group
+        (issue "Faults": a failure reaches every rank at once, not at the timeout).  ``self.failure`` keeps
+        ``(action, exception)`` of the first failure."""
+        acts = self.plan.ranks[self.rank] if actions is None else actions
+        for i, a in enumerate(acts):
+            try:
+                self.do(a)
+            except BaseException as e:
+                origin = e.origin if isinstance(e, _PeerFailed) else self.rank
+                self.failure = (a, e)
+                self._drain(acts[i:], origin)
+                raise
+
+    def _drain(self, rest, origin: int) -> None:
+        """After a failure: abort messages for the sends of ``rest`` not made yet, receives of ``rest`` posted, then
+        every posted receive and send awaited (errors here are dropped: the first failure is what is reported)."""
+        for a in rest:
+            try:
+                if a.kind in SENDS and a.msg not in self.posted:
+                    buf = _pack([], a.tensors, self.device, status=origin + 1)
+                    self.sends.append((self.tr.isend(buf, a.peer_rank, a.msg), buf))
+                    self.posted.add(a.msg)
+                elif a.kind in RECVS and a.msg not in self.posted:
+                    self._recv(a)
+            except Exception:  # noqa: BLE001 - a dead peer: its connection is gone
+                pass
+        for msg in list(self.recv):
+            buf, work, a = self.recv.pop(msg)
+            try:
+                self.tr.wait(work, f"{a} (draining after a failure)")
+            except Exception:  # noqa: BLE001
+                pass
+        self.inbox.clear()
+        for work, _ in self.sends:
+            try:
+                self.tr.wait(work, "a send (draining after a failure)")
+            except Exception:  # noqa: BLE001
+                pass
+        self.sends.clear()
 
     def do(self, a):
         t = time.perf_counter()
@@ -495,18 +579,27 @@ class Executor:
         # a send's packed copy is freed once the transport has delivered it (not only at the end of the step)
         self.sends = [(w, b) for w, b in self.sends if not _completed(w)]
         self.sends.append((self.tr.isend(buf, a.peer_rank, a.msg), buf))
+        self.posted.add(a.msg)
 
     def _recv(self, a):
         _, total = _layout(a.tensors)
         buf = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.recv[a.msg] = (buf, self.tr.irecv(buf, a.peer_rank, a.msg), a)
+        self.posted.add(a.msg)
         self.inbox[a.stage].append(a.msg)
 
     def _collect(self, stage: str):
         t = time.perf_counter()
         for msg in self.inbox.pop(stage, []):
             buf, work, a = self.recv.pop(msg)
-            self.tr.wait(work)
+            self.tr.wait(work, f"{a} from rank {a.peer_rank}")
+            st = _status(buf)
+            if buf.device.type == "cpu":  # an abort message: the peer (or one before it) failed
+                code = int(st.item())
+                if code:
+                    raise _PeerFailed(code - 1, a)
+            else:  # reading it now would wait for the device: checked at the end of the step
+                self.statuses.append((st, a))
             self.received[stage][a.peer_stage] = _unpack(buf, a.tensors)
         self.wait_s[stage] = time.perf_counter() - t
 
@@ -615,9 +708,19 @@ class Executor:
         return self._meta(pk, pname).concrete_shape(self.w.bindings[pk])
 
     def finish(self):
+        """Wait for this rank's sends; on CUDA, check the status words of the step's messages (one device wait).
+
+        Raises:
+            _PeerFailed: a message was an abort message (CUDA: its data was garbage and so is this step's)."""
         for work, _ in self.sends:
-            self.tr.wait(work)
+            self.tr.wait(work, "a send")
         self.sends.clear()
+        if self.statuses:
+            codes = torch.cat([st for st, _ in self.statuses]).cpu().tolist()
+            bad = [(c, a) for c, (_, a) in zip(codes, self.statuses) if c]
+            self.statuses.clear()
+            if bad:
+                raise _PeerFailed(bad[0][0] - 1, bad[0][1])
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -820,7 +923,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                                               if s.kind == "F" and s.strategy.startswith("recompute:"))
     if check:
         validate(plan)
-        plan._validated = True  # a plan given back to PipelineRuntime.step is not validated again
+        plan._validated = plan.digest()  # given back to PipelineRuntime.step unchanged, it is not validated again
     return plan
 
 
@@ -1124,6 +1227,103 @@ class PipelineRuntime:
         """``(original fully qualified name, parameter)`` for this rank's parameters."""
         return [(self._names_by_id[pid][0], self._param_obj[pid]) for pid in self.local_param_ids]
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this rank's parameters' gradients (as ``torch.nn.Module.zero_grad``)."""
+        for p in self.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` does on
+        the unsplit model (a collective: call it on every rank, after ``step``).
+
+        Each rank adds its parameters' ``|g|^p`` (a tied weight, whose gradient every holding rank has after the
+        step, is counted once, by its lowest rank; ``norm_type=inf``: the largest ``|g|``), one all-reduce gives the
+        global norm, and every rank scales its gradients by the same ``min(1, max_norm / (norm + 1e-6))``.  Calling
+        ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` instead clips each rank by its own part's norm:
+        the ranks then clip by different factors and training differs from the unsplit model.
+
+        Returns:
+            the global gradient norm (0-dim float32 tensor), the same on every rank.
+
+        Raises:
+            ValueError: ``max_norm`` is not a number >= 0, or ``norm_type`` not a number > 0.
+            RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank, before any
+                gradient changes).
+        """
+        from .wire import _wait
+
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 (or math.inf), got {norm_type!r}")
+        p_ = float(norm_type)
+        counted = [self._param_obj[pid].grad for pid in self.local_param_ids
+                   if self._param_obj[pid].grad is not None and min(self._ranks_by_id[pid]) == self.rank]
+        if p_ == math.inf:
+            local = max((g.detach().abs().max().to(torch.float64) for g in counted if g.numel()),
+                        default=torch.zeros((), dtype=torch.float64))
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((torch.linalg.vector_norm(g.detach().to(torch.float64), p_) ** p_ for g in counted),
+                        torch.zeros((), dtype=torch.float64))
+            op = dist.ReduceOp.SUM
+        total = local.reshape(1).to(self.device)
+        _wait(dist.all_reduce(total, op=op, group=self.group, async_op=True), self.timeout,
+              "every rank's gradient norm")
+        norm = (total[0] if p_ == math.inf else total[0] ** (1.0 / p_)).to(torch.float32).cpu()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of order {norm_type} of the pipeline's gradients is {float(norm)}: "
+                               "non-finite, so clip_grad_norm_ cannot clip them (error_if_nonfinite=True)")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        return norm
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this rank's parameters and buffers from ``state_dict`` under the original names (e.g. a full
+        checkpoint of the unsplit model, or :meth:`state_dict` of this rank); entries of other ranks are ignored.
+        Copies in place (the optimizer keeps its parameter objects).
+
+        Raises:
+            KeyError: ``strict`` and one of this rank's entries is missing (all of them named), or a name is not the
+                model's.
+            ValueError: an entry's shape differs from the model's (named), before anything is copied.
+        """
+        mine = self.state_dict_names()
+        known = set(self.compiled.model.state_dict(keep_vars=True))
+        unknown = sorted(set(state_dict) - known)
+        missing = sorted(n for n in mine if n not in state_dict)
+        if strict and (unknown or missing):
+            raise KeyError(f"load_state_dict(strict=True): missing {missing[:10]}{'...' if len(missing) > 10 else ''}"
+                           f", unexpected {unknown[:10]}{'...' if len(unknown) > 10 else ''}")
+        targets = dict(self.compiled.model.state_dict(keep_vars=True))
+        for n, t in mine.items():
+            if n in state_dict and tuple(state_dict[n].shape) != tuple(t.shape):
+                raise ValueError(f"{n}: the state dict holds shape {tuple(state_dict[n].shape)}, the model "
+                                 f"{tuple(t.shape)}")
+        with torch.no_grad():
+            for n in mine:
+                if n in state_dict:
+                    targets[n].copy_(state_dict[n].to(targets[n].device, targets[n].dtype))
+
+    def state_dict_names(self) -> dict[str, torch.Tensor]:
+        """This rank's entries of the state dict, name -> the model's tensor (no copy)."""
+        out = {}
+        for pid in self.local_param_ids:
+            for n in self._names_by_id[pid]:
+                out[n] = self._param_obj[pid]
+        persistent = set(self.compiled.model.state_dict(keep_vars=True))
+        for n, b in self.compiled.model.named_buffers(remove_duplicate=False):
+            if n in persistent and (n in self._local_state_names or self.rank == 0):
+                out[n] = b
+        return out
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and persistent buffers under every original name (tied weights under each alias);
         buffers no chunk reads are kept by rank 0."""
@@ -1243,8 +1443,13 @@ class PipelineRuntime:
 
         name = self.schedule if schedule is None else schedule
         tw = time.perf_counter()
-        w = self._workload(microbatches)
-        mine = workload_digest(w)
+        local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
+        w, mine = None, "(this rank could not build the step)"
+        try:
+            w = self._workload(microbatches)
+            mine = workload_digest(w)
+        except Exception as e:  # noqa: BLE001
+            local_err = f"{type(e).__name__}: {e}"
         tw = time.perf_counter() - tw
         n = len(microbatches)
         info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None, "simulation": None,
@@ -1253,6 +1458,8 @@ class PipelineRuntime:
         if self.rank == 0:
             t0 = time.perf_counter()
             try:
+                if local_err is not None:
+                    raise PlanError(f"building the step failed: {local_err}")
                 plan = None
                 if given is not None:  # made beforehand: checked against this step's stages, then validated
                     have = {a.stage for _, a in given.compute_actions()}
@@ -1260,26 +1467,37 @@ class PipelineRuntime:
                         missing, extra = sorted(set(w.graph.stages) - have)[:3], sorted(have - set(w.graph.stages))[:3]
                         raise PlanError(f"the given plan is not for this batch split into {n} microbatches: its "
                                         f"stages miss {missing} and have {extra} this step does not")
-                    if not getattr(given, "_validated", False):
+                    if getattr(given, "_validated", None) != given.digest():  # validated, and not changed since
                         validate(given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
                 elif self._planner is not None and self._planner.submitted == self.step_index:
                     reply, why = self._planner.take(self.step_index, self.plan_wait_s)
-                    if reply is not None and reply["digest"] != mine:
+                    if reply is not None and (reply.get("schedule"), reply.get("n_microbatches")) != (name, n):
+                        reply, why = None, (f"the look-ahead was planned with schedule {reply.get('schedule')!r} "
+                                            f"and {reply.get('n_microbatches')} microbatches, this step asks for "
+                                            f"{name!r} and {n}")
+                    elif reply is not None and reply["digest"] != mine:
                         reply, why = None, ("the batch given as next_batch is not the one this step got (its "
                                             "digest differs)")
                     if reply is not None:
                         plan = Plan.from_json(reply["plan"])
                         info.update(source="async", planner_s=reply["seconds"], planner_cpu_s=reply["cpu_seconds"])
-                    elif "next_batch" in why:  # the user's look-ahead was wrong: plan this batch now
+                    elif "look-ahead" in why or "next_batch" in why:  # the user's look-ahead was wrong: plan it now
                         log.warning("dipc: step %d: %s; planning it now", self.step_index, why)
                         info["why"] = why
-                    else:  # late, failed or died: the fallback template, planned now (DIP §2.2)
-                        self.fallbacks += 1
+                    elif "failed" in why:  # the planner raised: plan this batch now; the template only if that fails
+                        try:
+                            plan = self._make(w, name)
+                            log.warning("dipc: step %d: %s; planned it now", self.step_index, why)
+                            info["why"] = why
+                        except Exception as e:  # noqa: BLE001
+                            why = f"{why}; planning it now failed too ({type(e).__name__}: {e})"
+                    if plan is None and reply is None and not info["why"]:
+                        # late, died, or failed here too: the fallback template, planned now (DIP §2.2)
                         fb = self.fallback_schedule
                         log.warning("dipc: step %d: %s; running the %r template instead (%d fallbacks so far)",
-                                    self.step_index, why, fb, self.fallbacks)
+                                    self.step_index, why, fb, self.fallbacks + 1)
                         info.update(source="fallback", schedule=fb, why=why)
                         if template(fb).sub_microbatches != template(name).sub_microbatches:
                             microbatches = split_for(self.compiled, batch, n, fb)
@@ -1290,9 +1508,10 @@ class PipelineRuntime:
                     plan = self._make(w, name)
                 text = reply["plan"] if info["source"] == "async" else plan.to_json()
                 if info["source"] == "async":
-                    plan._validated = True
+                    plan._validated = Plan.text_digest(text)
                 header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
-                          "plan": text, "plan_digest": Plan.text_digest(text), "source": info["source"]}
+                          "plan": text, "plan_digest": Plan.text_digest(text), "source": info["source"],
+                          "why": info["why"]}
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
             info["rank0_plan_s"] = time.perf_counter() - t0
@@ -1303,32 +1522,51 @@ class PipelineRuntime:
         step, theirs = header["step"], header["digest"]
         if "error" in header:
             raise PlanError(f"step {step}: rank 0 could not plan it: {header['error']}")
-        got = Plan.text_digest(header["plan"])
-        if got != header["plan_digest"]:
-            raise PlanError(f"rank {self.rank} got a damaged plan for step {step} (digest {got[:12]}, rank 0 sent "
-                            f"{header['plan_digest'][:12]})")
-        plan = plan if self.rank == 0 else Plan.from_json(header["plan"])
-        if self.rank != 0:
-            info.update(source=header["source"], schedule=header["schedule"])
-            if header["schedule"] != name:  # rank 0 fell back to another template
-                if template(header["schedule"]).sub_microbatches != template(name).sub_microbatches:
-                    microbatches = split_for(self.compiled, batch, n, header["schedule"])
-                    w = self._workload(microbatches)
-                    mine = workload_digest(w)
+        if self.rank != 0 and local_err is None:
+            try:
+                got = Plan.text_digest(header["plan"])
+                if got != header["plan_digest"]:
+                    raise PlanError(f"the plan arrived damaged (digest {got[:12]}, rank 0 sent "
+                                    f"{header['plan_digest'][:12]})")
+                plan = Plan.from_json(header["plan"])
+                info.update(source=header["source"], schedule=header["schedule"], why=header.get("why", ""))
+                if header["schedule"] != name:  # rank 0 fell back to another template
+                    if template(header["schedule"]).sub_microbatches != template(name).sub_microbatches:
+                        microbatches = split_for(self.compiled, batch, n, header["schedule"])
+                        w = self._workload(microbatches)
+                        mine = workload_digest(w)
+            except Exception as e:  # noqa: BLE001
+                local_err = f"{type(e).__name__}: {e}"
         from .wire import _wait
 
-        # one all-reduce tells every rank whether all agree on the step index and the step's digest
-        same = torch.tensor([1 if mine == theirs else 0, 1 if step == self.step_index else 0], dtype=torch.int32,
-                            device=self.device)
+        # one all-reduce tells every rank whether all built the step, agree on its index and on its digest
+        same = torch.tensor([1 if mine == theirs else 0, self.step_index, -self.step_index,
+                             0 if local_err else 1], dtype=torch.int64, device=self.device)
         _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
               f"every rank's check of step {self.step_index}'s plan")
-        if int(same[1].item()) == 0:  # every rank raises, before any activation moves
-            raise PlanError(f"the ranks are at different steps: rank 0 sent the plan of step {step}, this rank "
-                            f"(rank {self.rank}) is at step {self.step_index}; every rank must call step() for "
-                            "every batch (a rank that skipped or repeated a step leaves the pipeline out of step)")
+        if int(same[3].item()) == 0:  # some rank failed alone: the lowest one tells every rank what happened
+            bits = torch.tensor([float(2 ** self.rank) if local_err else 0.0], dtype=torch.float64,
+                                device=self.device)
+            _wait(dist.all_reduce(bits, group=self.group, async_op=True), self.timeout,
+                  f"every rank's failure flags of step {self.step_index}")
+            b = int(bits.item())
+            origin = (b & -b).bit_length() - 1
+            text = broadcast_json(local_err if self.rank == origin else None, origin, self.group, self.device,
+                                  self.timeout, what=f"rank {origin}'s failure of step {self.step_index}")
+            raise PlanError(f"step {self.step_index}: rank {origin} could not build the step: {text} (every rank "
+                            "stopped before any activation moved)")
+        if header.get("source") == "fallback":  # counted on every rank, after every rank has the plan
+            self.fallbacks += 1
+        lo, hi = int(same[1].item()), -int(same[2].item())
+        if lo != hi:  # every rank raises, before any activation moves
+            raise PlanError(f"the ranks are at different steps (from step {lo} to step {hi}; this rank, rank "
+                            f"{self.rank}, is at step {self.step_index}): every rank must call step() for every "
+                            "batch (a rank that skipped or repeated a step leaves the pipeline out of step)")
         if int(same[0].item()) == 0:
             who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
                    "another rank's digest differs from this one's")
+            if header.get("n_microbatches", n) != n:
+                who += f"; rank 0 split the batch into {header['n_microbatches']} microbatches, this rank into {n}"
             raise PlanError(
                 f"step {self.step_index}: the ranks disagree on the step ({who}; the digest covers the stage graph "
                 "and the batch's integer tensors). Either they were given different batches (every rank of a "
@@ -1398,8 +1636,16 @@ class PipelineRuntime:
         try:
             ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
                           yield_after_post=dist.get_backend(self.group) == "gloo")
-            ex.run()
-            ex.finish()
+            failure = None
+            try:
+                ex.run()
+                ex.finish()
+            except Exception as e:  # drained (Executor.run): every rank now learns of it in the status exchange
+                failure = e
+            local = torch.zeros((), dtype=torch.float64)
+            if failure is None:
+                local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()), local)
+            loss = self._exchange_status(ex, failure, local).to(torch.float32)
             zero_unreached_grads(self.compiled, w, {self.rank})
             from .wire import _wait
 
@@ -1409,11 +1655,6 @@ class PipelineRuntime:
                     p.grad = torch.zeros_like(p)
                 _wait(dist.all_reduce(p.grad, group=grp, async_op=True), self.timeout,
                       f"step {self.step_index}'s gradient all-reduce of a tied weight")
-            local = sum((mbs[m].weight * l for m, l in ex.losses.items()), torch.zeros((), dtype=torch.float32,
-                                                                                      device=self.device))
-            loss = local.detach().to(torch.float32).clone()
-            _wait(dist.all_reduce(loss, group=self.group, async_op=True), self.timeout,
-                  f"step {self.step_index}'s loss all-reduce")
         except BaseException:
             for p, g in stash:
                 p.grad = g
@@ -1436,19 +1677,94 @@ class PipelineRuntime:
         self.step_index += 1
         return loss
 
+    def _exchange_status(self, ex: Executor, failure: BaseException | None, local_loss: torch.Tensor) -> torch.Tensor:
+        """After the plan ran (or was drained after a failure), one all-reduce sums the ranks' loss shares (float64;
+        returned, 0-dim) and tells every rank whether any rank failed; the first failing rank then broadcasts its
+        action and exception (JSON) and every rank raises the same :class:`StepFailed` (issue "Faults", point 1).
+
+        Raises:
+            StepFailed: some rank failed (``usable`` False when a wait timed out or a connection broke, or the
+                exchange itself failed: a rank died or hangs)."""
+        from .wire import WireTimeout, _wait, broadcast_json
+
+        own = failure is not None and not isinstance(failure, _PeerFailed)
+        flag = torch.stack([torch.tensor(float(2 ** self.rank) if own else 0.0, dtype=torch.float64),
+                            torch.tensor(1.0 if isinstance(failure, TransportError) else 0.0, dtype=torch.float64),
+                            local_loss.to("cpu", torch.float64)]).to(self.device)
+        mine = ""
+        if failure is not None:
+            a = ex.failure[0] if ex.failure else "the step's last sends"
+            mine = f"this rank (rank {self.rank}) failed in {a}: {type(failure).__name__}: {failure}; "
+        try:
+            _wait(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
+                  f"every rank's status after step {self.step_index}")
+        except (WireTimeout, RuntimeError) as e:
+            gone = self._unresponsive()
+            raise StepFailed(f"step {self.step_index}: {mine}the status exchange with the other ranks failed ({e}): "
+                             f"{gone}; the process group cannot run further steps", origin=None,
+                             step=self.step_index, usable=False) from (failure or e)
+        bits, broken = int(flag[0].item()), flag[1].item() > 0
+        if not bits:
+            if failure is not None:  # an abort message but no rank says it failed: cannot happen with dipc's peers
+                raise StepFailed(f"step {self.step_index}: {mine}no rank reported the failure",
+                                 step=self.step_index, usable=False) from failure
+            return flag[2].cpu()
+        origin = (bits & -bits).bit_length() - 1  # the lowest failing rank speaks for all
+        text = None
+        if self.rank == origin:
+            a = ex.failure[0] if ex.failure else "the step's last sends"
+            text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
+        text = broadcast_json(text, origin, self.group, self.device, self.timeout,
+                              what=f"rank {origin}'s failure report of step {self.step_index}")
+        others = [r for r in range(self.world) if bits >> r & 1 and r != origin]
+        more = f" (ranks {others} failed too)" if others else ""
+        state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
+                 "such a pair)" if broken else "the process group can run further steps")
+        raise StepFailed(f"step {self.step_index}: rank {origin} failed in {text['action']}: {text['error']}{more}; "
+                         f"every rank stopped the step and its .grad is as before it; {state}", origin=origin,
+                         action=text["action"], step=self.step_index, usable=not broken) from failure
+
+    def _unresponsive(self, wait_s: float = 3.0) -> str:
+        """After a broken exchange: which ranks of the pipeline still answer through the rendezvous store (each
+        survivor writes a key and looks for the others' for ``wait_s`` seconds).  The store is hosted by global
+        rank 0, so when that rank died the store is gone too, and the message says so."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"dipc/alive/{id(self.compiled)}/{self.step_index}"
+            store.set(f"{key}/{self.rank}", "1")
+            deadline = time.monotonic() + wait_s
+            missing = list(range(self.world))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in range(self.world) if not store.check([f"{key}/{r}"])]
+                if missing:
+                    time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001
+            root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            return (f"the rendezvous store does not answer either ({type(e).__name__}): global rank 0, which hosts "
+                    f"it, is probably gone" + (f" (pipeline rank 0 is global rank {root})" if root else ""))
+        if not missing:
+            return "every rank answers through the store, so a rank hangs or its connection broke"
+        return f"rank(s) {missing} do not answer within {wait_s:g} s: died or hang"
+
     def _submit(self, next_batch, n: int, schedule: str) -> None:
         from .codegen.templates import template
         from .planner.background import BackgroundPlanner
 
         if self._planner is None:
+            import weakref
+
             self._planner = BackgroundPlanner(self.compiled, {"memory_limit": self.memory_limit,
                                                               "recompute": self.recompute})
+            weakref.finalize(self, self._planner.close)  # a runtime dropped without close() stops its planner
         budget = self.budget_s if template(schedule).kind == "interleave" else 0.0
-        try:
+        try:  # never raises: this rank's peers already run the step
+            if not isinstance(next_batch, Mapping):
+                raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
             self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1)
-        except (TypeError, ValueError) as e:  # not sendable: the next step plans synchronously
-            log.warning("dipc: step %d's next batch cannot go to the background planner (%s); it will be planned "
-                        "synchronously", self.step_index, e)
+        except Exception as e:  # noqa: BLE001 - not sendable: the next step plans synchronously
+            self._planner.submitted = None
+            log.warning("dipc: step %d's next batch cannot go to the background planner (%s: %s); it will be "
+                        "planned synchronously", self.step_index, type(e).__name__, e)
 
     def close(self) -> None:
         """Stop this rank's background planner, if any (idempotent; the process also exits with this one)."""
@@ -1543,20 +1859,20 @@ def prefetch(iterable):
         for batch in dipc.prefetch(loader):
             loss = pipe.step(batch)
 
-    Reads one batch ahead of what it yields (the first ``next`` reads two); batches must be mappings."""
+    Reads one batch ahead of what it yields (the first ``next`` reads two).
+
+    Raises:
+        TypeError: a batch is not a mapping (raised when it is reached)."""
+    end = object()
     it = iter(iterable)
-    try:
-        cur = next(it)
-    except StopIteration:
-        return
-    while True:
-        try:
-            nxt = next(it)
-        except StopIteration:
-            nxt = None
+    cur = next(it, end)
+    i = 0
+    while cur is not end:
+        if not isinstance(cur, Mapping):
+            raise TypeError(f"dipc.prefetch: batch {i} is a {type(cur).__name__}; batches must be mappings (dicts of "
+                            "tensors)")
+        nxt = next(it, end)
         out = _Lookahead(cur)
-        out.next_batch = None if nxt is None else nxt
+        out.next_batch = None if nxt is end else nxt
         yield out
-        if nxt is None:
-            return
-        cur = nxt
+        cur, i = nxt, i + 1

@@ -101,31 +101,42 @@ def _scenarios(rank, world):
     _, reps = run("slow", {"DIPC_PLANNER_DELAY_S": "30"}, plan_wait_s=0.05)
     assert [r.plan_source for r in reps[1:]] == ["fallback"] * (len(steps) - 1), out["slow"]
     assert all(r.schedule == "1f1b" for r in reps[1:])
+    assert all("deadline missed" in r.fallback_reason for r in reps[1:]), out["slow"]  # every rank says why
+    assert reps[-1].fallbacks == len(steps) - 1  # and counts them
     if rank == 0:
-        assert all("deadline missed" in r.fallback_reason for r in reps[1:]), out["slow"]
-        assert reps[-1].fallbacks == len(steps) - 1
         assert any("running the '1f1b' template instead" in m for m in records), records
         # not blocked: each step waited its 0.05 s deadline, far from the planner's 30 s
         assert max(r.plan_s for r in reps) < 10.0, [r.plan_s for r in reps]
-    # a planner that raises
+    # a planner that raises: the step is planned now (with its own schedule), and training goes on
     _, reps = run("fail", {"DIPC_PLANNER_FAIL": "1"}, fallback_schedule="gpipe")
-    assert [r.plan_source for r in reps[1:]] == ["fallback"] * (len(steps) - 1), out["fail"]
-    if rank == 0:
-        assert all("fails on purpose" in r.fallback_reason for r in reps[1:]), out["fail"]
+    assert [(r.plan_source, r.schedule) for r in reps[1:]] == [("sync", "dip")] * (len(steps) - 1), out["fail"]
+    assert all("fails on purpose" in r.fallback_reason for r in reps[1:]), out["fail"]
+    assert reps[-1].fallbacks == 0
     # a planner killed mid-plan: that step falls back, the next one gets a restarted planner's plan
     _, reps = run("killed", {"DIPC_PLANNER_DELAY_S": "1"}, plan_wait_s=20)
     assert reps[1].plan_source == "fallback" and reps[2].plan_source == "async", out["killed"]
     if rank == 0:
         assert "died" in reps[1].fallback_reason, out["killed"]
-    # a wrong look-ahead: planned again, exact
+    # a wrong look-ahead (another batch, another schedule, not a mapping): planned again, exact
     pipe = compiled.runtime(n_microbatches=2, timeout=60)
     try:
         loss = pipe.step(steps[0], next_batch=steps[2])
         _compare(pipe, ref, steps[0], loss, rank, "wrong look-ahead step 0")
-        loss = pipe.step(steps[1])
+        loss = pipe.step(steps[1], next_batch=steps[2], schedule="gpipe")
         _compare(pipe, ref, steps[1], loss, rank, "wrong look-ahead step 1")
-        out["wrong"] = pipe.last_report.plan_source
         assert pipe.last_report.plan_source == "sync" and pipe.fallbacks == 0
+        loss = pipe.step(steps[2], schedule="1f1b", next_batch=[steps[3]])  # planned for gpipe: not taken
+        _compare(pipe, ref, steps[2], loss, rank, "wrong look-ahead step 2")
+        rep = pipe.last_report
+        assert (rep.plan_source, rep.schedule) == ("sync", "1f1b"), (rep.plan_source, rep.schedule)
+        if rank == 0:
+            assert "schedule 'gpipe'" in rep.fallback_reason, rep.fallback_reason
+        loss = pipe.step(steps[3])  # the list was refused with a warning: planned now
+        _compare(pipe, ref, steps[3], loss, rank, "wrong look-ahead step 3")
+        assert pipe.last_report.plan_source == "sync" and pipe.fallbacks == 0
+        if rank == 0:
+            assert any("next_batch must be a mapping" in m for m in records), records
+        out["wrong"] = pipe.last_report.plan_source
     finally:
         pipe.close()
 

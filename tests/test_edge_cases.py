@@ -199,3 +199,27 @@ def test_runtime_and_compile_arguments_out_of_range_are_refused_before_any_commu
     b = next(iter(vlm_batches(cfg, 1, 4, 0)))
     with pytest.raises(ValueError, match=r"sub_microbatch_size for 'vision' must be an int >= 1, got 1.5"):
         dipc.compile(ReferenceVLM(cfg), b, 2, sub_microbatch_size={"vision": 1.5})
+
+
+class BatchNormed(Body):
+    """torch's BatchNorm1d in training mode updates its running statistics in the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(D)
+
+    def forward(self, input_ids, labels):
+        h = self.norm(self.hidden(input_ids).transpose(1, 2)).transpose(1, 2)
+        return F.cross_entropy(self.head(h)[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+
+
+def test_a_model_that_updates_buffers_in_training_is_refused_at_compile():
+    """Per sub-microbatch the running statistics would update several times and num_batches_tracked not at all:
+    refused, naming the buffers, instead of training silently otherwise than the unsplit model."""
+    torch.manual_seed(0)
+    ids = _tokens(4, 6, 0)
+    with pytest.raises(dipc.CaptureError, match=r"mutates state in place .*norm\.running_mean.*BatchNorm"):
+        dipc.compile(BatchNormed(), {"input_ids": ids, "labels": ids}, 2)
+    model = BatchNormed().eval()  # eval-mode norms read their statistics only: accepted and exact
+    c = dipc.compile(model, {"input_ids": ids, "labels": ids}, 2)
+    local_check(model, c, {"input_ids": _tokens(4, 7, 1), "labels": _tokens(4, 7, 1)}, 2)

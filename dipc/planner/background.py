@@ -123,7 +123,8 @@ def _serve(conn, compiled, options: dict) -> None:
                 plan = make_plan(compiled, w, head["step"], memory_limit=options.get("memory_limit"),
                                  schedule=head["schedule"], budget_s=head["budget_s"], seed=head["seed"])
                 text = plan.to_json()
-                reply.update(digest=workload_digest(w), plan=text)
+                reply.update(digest=workload_digest(w), plan=text, schedule=head["schedule"],
+                             n_microbatches=head["n_microbatches"])
             except Exception as e:  # the runtime falls back; the process goes on with the next batch
                 reply["error"] = f"{type(e).__name__}: {e}"
                 plan = None
@@ -140,6 +141,26 @@ def _serve(conn, compiled, options: dict) -> None:
         code = 1
     finally:
         os._exit(code)
+
+
+def _close_inherited_sockets(keep: int) -> None:
+    """In the forked planner: close the training process's sockets (gloo pairs, the rendezvous store) it inherited,
+    so that a peer sees this rank's connections drop as soon as the training process dies, not when the planner
+    does.  ``keep``: the planner's own pipe."""
+    import stat
+
+    try:
+        fds = [int(x) for x in os.listdir("/proc/self/fd")]
+    except OSError:  # not Linux: nothing to find them by
+        return
+    for fd in fds:
+        if fd == keep or fd < 3:
+            continue
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.close(fd)
+        except OSError:
+            pass
 
 
 class BackgroundPlanner:
@@ -175,6 +196,7 @@ class BackgroundPlanner:
             pid = os.fork()
         if pid == 0:  # the planning process
             parent.close()
+            _close_inherited_sockets(keep=child.fileno())
             _serve(child, self.compiled, self.options)
         child.close()
         self.pid, self.exitcode = pid, None
@@ -228,7 +250,7 @@ class BackgroundPlanner:
                 return
             try:
                 conn.send_bytes(frame)
-            except (BrokenPipeError, OSError, ValueError):  # the planner died or was closed: take() says so
+            except Exception:  # noqa: BLE001 - the planner died or was closed: take() says so
                 return
 
     def _read(self, timeout: float) -> bool:
@@ -254,16 +276,21 @@ class BackgroundPlanner:
         while step not in self.inbox:
             try:
                 if not self._read(deadline - time.monotonic()):
+                    self.submitted = None
                     return None, f"the plan was not ready {wait_s:g} s after the step began (deadline missed)"
             except (EOFError, OSError):
+                self.submitted = None
                 for _ in range(100):  # it closed its end: collect its exit status (within 1 s)
                     if not self.alive():
                         break
                     time.sleep(0.01)
                 return None, f"the planner process died (exit code {self.exitcode})"
         reply = self.inbox.pop(step)
+        self.submitted = None  # consumed: a retry of this step (after a failure) plans synchronously
         for old in [s for s in self.inbox if s < step]:
             del self.inbox[old]
+        for old in [s for s in self.simulations if s < step - 1]:  # reports nobody read
+            del self.simulations[old]
         if "error" in reply:
             return None, f"the planner failed: {reply['error']}"
         return reply, ""
