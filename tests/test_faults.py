@@ -47,16 +47,16 @@ def _good_step(pipe, ref, batch, rank, what):
 
 
 def _expect_failure(pipe, batch, rank, what, arm=None, **step_kw):
-    """Run a step that must fail: returns (exception, seconds), after checking .grad is untouched.  ``arm`` is
-    called between the accumulating step and the failing one."""
+    """Run a step that must fail: returns (exception, seconds), after checking .grad is untouched (the previous
+    step's gradients are still there: the failed step must leave exactly them).  ``arm`` is called first."""
     import time
 
     import torch
 
-    pipe.step(batch)  # accumulate something first: the failed step must leave exactly this
     if arm is not None:
         arm()
     before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    assert before, "the failing step must find gradients to keep"
     t = time.perf_counter()
     try:
         pipe.step(batch if "bad" not in step_kw else step_kw.pop("bad"), **step_kw)
@@ -83,6 +83,7 @@ def _in_rank_failures(rank, world, fwd_rank=0, bwd_rank=0, only=None):
     pipe = compiled.runtime(n_microbatches=world, timeout=300)
     good, other = batches[1], batches[2]
     out = {}
+    _good_step(pipe, ref, other, rank, "first step")
 
     def check(label, e, took, origin, action_kind):
         assert isinstance(e, StepFailed), f"rank {rank} {label}: {type(e).__name__}: {e}"
@@ -214,7 +215,7 @@ def test_ranks_that_disagree_all_raise_before_any_activation_moves_2_ranks():
         assert "the ranks disagree on the step" in out[0][label] and "the ranks disagree" in out[1][label], label
     assert all("rank 1 could not build the step: RuntimeError: cannot build this step, on purpose" in o["local"]
                for o in out), [o["local"] for o in out]
-    assert all("different steps (from step 2 to step 3" in o["skipped"] for o in out), [o["skipped"] for o in out]
+    assert all("different steps (from step 3 to step 4" in o["skipped"] for o in out), [o["skipped"] for o in out]
     assert "rank 0 split the batch into 2 microbatches, this rank into 4" in out[1]["microbatches"]
 
 
