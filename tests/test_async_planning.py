@@ -153,6 +153,9 @@ def _scenarios(rank, world):
             _compare(pipe, ref, batch, loss, rank, f"no-pickle step {i}")
         sd = pipe.full_state_dict()
         events = pipe.trace_events()
+        pipe.load_state_dict(sd)  # the checkpoint round trip, still without pickle
+        loss = pipe.step(steps[3])
+        _compare(pipe, ref, steps[3], loss, rank, "no-pickle step after loading")
         pipe.close()
     finally:
         pickle.loads, pickle.Unpickler, c10d._unpickler = saved

@@ -165,6 +165,7 @@ def test_failures_on_middle_ranks_reach_every_rank_of_4():
 
 
 def _disagreeing(rank, world):
+    import dipc
     from dipc.plan import PlanError
     import pipeline_cases as pc
 
@@ -199,6 +200,20 @@ def _disagreeing(rank, world):
             raise RuntimeError("cannot build this step, on purpose")
         pipe._workload = broken
     expect("local")
+    # a position past a learned table: latents with more frames than the DiT's learned position table; the
+    # re-capture for that size fails on every rank, which all raise the same error before any activation moves
+    import torch
+    t2v = pc.t2v()
+    t2v_batches = pc.t2v_batches()
+    tp = dipc.compile(t2v, t2v_batches[0], world).runtime(n_microbatches=2, timeout=300)
+    long = dict(t2v_batches[1])
+    for k in ("latents", "noise"):
+        shape = list(long[k].shape)
+        shape[2] *= 4  # frames
+        long[k] = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    with __import__("pytest").raises(PlanError) as info:
+        tp.step(long)
+    out["table"] = str(info.value)
     # a skipped step on one rank: rank 1 is one step behind
     if rank == 1:
         pipe.step_index -= 1
@@ -216,6 +231,9 @@ def test_ranks_that_disagree_all_raise_before_any_activation_moves_2_ranks():
     assert all("rank 1 could not build the step: RuntimeError: cannot build this step, on purpose" in o["local"]
                for o in out), [o["local"] for o in out]
     assert all("different steps (from step 3 to step 4" in o["skipped"] for o in out), [o["skipped"] for o in out]
+    assert out[0]["table"] == out[1]["table"], (out[0]["table"], out[1]["table"])
+    assert "step 0: rank 0 could not plan it: PlanError: building the step failed: CaptureError" in out[0]["table"]
+    assert "must match the size of tensor" in out[0]["table"], out[0]["table"]
     assert "rank 0 split the batch into 2 microbatches, this rank into 4" in out[1]["microbatches"]
 
 
