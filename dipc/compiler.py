@@ -46,6 +46,11 @@ def _rule_hit(node, rules) -> bool:
     return _rule_modality(module_path(node), rules, True) is not None
 
 
+class NeedsCapture(RuntimeError):
+    """:meth:`CompiledPipeline.program_for` needs a new capture where captures are not allowed (the background
+    planner, :mod:`dipc.planner.background`: the training process makes it, and the planner is forked again)."""
+
+
 class CompiledPipeline:
     """A model compiled into modality chunks for ``pp_size`` pipeline ranks.
 
@@ -367,6 +372,9 @@ class CompiledPipeline:
         for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
             if prog.fits(data, traced):
                 return prog
+        if not getattr(self, "allow_capture", True):  # rank 0's background planner: the training process captures
+            raise NeedsCapture(f"no capture of {type(self.model).__name__} fits a microbatch with shapes "
+                               f"{ {k: list(v.shape) for k, v in data.items() if isinstance(v, torch.Tensor)} }")
         sig = signature_of(data, self.specialized)
         dims = sorted({f"{k}.shape[{d}]" for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature)
                        if a is not None and a != b} - self._warned)

@@ -1180,6 +1180,7 @@ class PipelineRuntime:
         self.last_timing: dict = {}
         self.last_report: StepReport | None = None
         self.fallbacks = 0  # steps whose background plan missed its deadline, failed or died (DIP §2.2)
+        self._broken = ""  # where the process group broke (a StepFailed with usable=False)
         self._planner = None  # rank 0's BackgroundPlanner, started by the first step given a next batch
         self._plan_info: dict = {}
         self._setup_params()
@@ -1422,9 +1423,9 @@ class PipelineRuntime:
             set_recompute(w, True)
         return w
 
-    def plan_step(self, microbatches: list[Microbatch], schedule: str | None = None,
-                  batch: Mapping[str, torch.Tensor] | None = None,
-                  given: Plan | None = None) -> tuple[StepWorkload, Plan]:
+    def plan_step(self, microbatches: list[Microbatch] | None, schedule: str | None = None,
+                  batch: Mapping[str, torch.Tensor] | None = None, given: Plan | None = None,
+                  early: BaseException | None = None) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
         checks step and digest on every rank.
 
@@ -1445,13 +1446,16 @@ class PipelineRuntime:
         tw = time.perf_counter()
         local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
         w, mine = None, "(this rank could not build the step)"
-        try:
-            w = self._workload(microbatches)
-            mine = workload_digest(w)
-        except Exception as e:  # noqa: BLE001
-            local_err = f"{type(e).__name__}: {e}"
+        if early is not None:  # the batch or an argument was refused before this rank could split the batch
+            local_err = f"{type(early).__name__}: {early}"
+        else:
+            try:
+                w = self._workload(microbatches)
+                mine = workload_digest(w)
+            except Exception as e:  # noqa: BLE001
+                local_err = f"{type(e).__name__}: {e}"
         tw = time.perf_counter() - tw
-        n = len(microbatches)
+        n = len(microbatches) if microbatches is not None else -1
         info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None, "simulation": None,
                                 "why": ""}
         header = None
@@ -1459,7 +1463,7 @@ class PipelineRuntime:
             t0 = time.perf_counter()
             try:
                 if local_err is not None:
-                    raise PlanError(f"building the step failed: {local_err}")
+                    raise PlanError(f"building the step failed: {local_err}") if early is None else early
                 plan = None
                 if given is not None:  # made beforehand: checked against this step's stages, then validated
                     have = {a.stage for _, a in given.compute_actions()}
@@ -1483,6 +1487,9 @@ class PipelineRuntime:
                     if reply is not None:
                         plan = Plan.from_json(reply["plan"])
                         info.update(source="async", planner_s=reply["seconds"], planner_cpu_s=reply["cpu_seconds"])
+                    elif "needs a capture" in why:  # this process captures it now (it must, to run the step)
+                        log.info("dipc: step %d: %s; planning it now", self.step_index, why)
+                        info["why"] = why
                     elif "look-ahead" in why or "next_batch" in why:  # the user's look-ahead was wrong: plan it now
                         log.warning("dipc: step %d: %s; planning it now", self.step_index, why)
                         info["why"] = why
@@ -1521,7 +1528,14 @@ class PipelineRuntime:
                                 what=f"the plan of step {self.step_index}")
         step, theirs = header["step"], header["digest"]
         if "error" in header:
+            if self.rank == 0 and early is not None:
+                raise early  # rank 0's own bad input keeps its type (BatchError, ValueError)
+            if early is not None and header["error"] == f"{type(early).__name__}: {early}":
+                raise early  # every rank refused the batch alike
             raise PlanError(f"step {step}: rank 0 could not plan it: {header['error']}")
+        if header.get("source") != "fallback" and header.get("schedule") != name and local_err is None:
+            local_err = (f"PlanError: this rank asked for schedule {name!r}, rank 0 for {header.get('schedule')!r} "
+                         "(every rank must step with the same schedule)")
         if self.rank != 0 and local_err is None:
             try:
                 got = Plan.text_digest(header["plan"])
@@ -1553,6 +1567,8 @@ class PipelineRuntime:
             origin = (b & -b).bit_length() - 1
             text = broadcast_json(local_err if self.rank == origin else None, origin, self.group, self.device,
                                   self.timeout, what=f"rank {origin}'s failure of step {self.step_index}")
+            if early is not None and text == local_err:
+                raise early  # this rank's own bad input, or the same as the first failing rank's
             raise PlanError(f"step {self.step_index}: rank {origin} could not build the step: {text} (every rank "
                             "stopped before any activation moved)")
         if header.get("source") == "fallback":  # counted on every rank, after every rank has the plan
@@ -1610,19 +1626,26 @@ class PipelineRuntime:
             RuntimeError: a distributed wait exceeded the timeout.
         """
         t0 = time.perf_counter()
+        if self._broken:
+            raise RuntimeError(f"this pipeline's process group broke at {self._broken}: no further step can run "
+                               "on it (start the processes, or a new process group and runtime, again)")
         if next_batch is None:
             next_batch = getattr(batch, "next_batch", None)
-        if self.device.type != "cpu":
-            batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                     for k, v in batch.items()}
         schedule = self.schedule if schedule is None else schedule
-        from .codegen.templates import template
-        template(schedule)  # an unknown name raises on every rank, before any communication
         n = self.n_microbatches if n_microbatches is None else n_microbatches
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
-        mbs = split_for(self.compiled, batch, n, schedule)
-        w, plan = self.plan_step(mbs, schedule, batch, given=plan)
+        try:  # bad input: raised here on every rank, after telling the others (a rank alone would desync them)
+            from .codegen.templates import template
+            template(schedule)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
+            if self.device.type != "cpu":
+                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            mbs = split_for(self.compiled, batch, n, schedule)
+            early = None
+        except Exception as e:  # noqa: BLE001
+            mbs, early = None, e
+        w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early)
         mbs = w.microbatches
         info = self._plan_info
         if self.rank == 0 and next_batch is not None:  # planned while this step runs
@@ -1640,12 +1663,20 @@ class PipelineRuntime:
             try:
                 ex.run()
                 ex.finish()
-            except Exception as e:  # drained (Executor.run): every rank now learns of it in the status exchange
+            except BaseException as e:  # drained (Executor.run): every rank now learns of it in the status exchange
                 failure = e
             local = torch.zeros((), dtype=torch.float64)
             if failure is None:
                 local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()), local)
-            loss = self._exchange_status(ex, failure, local).to(torch.float32)
+            try:
+                loss = self._exchange_status(ex, failure, local).to(torch.float32)
+            except StepFailed as e:
+                if not e.usable:
+                    self._broken = f"step {self.step_index} ({e})"
+                if failure is not None and not isinstance(failure, Exception):
+                    raise failure from None  # KeyboardInterrupt, SystemExit: the peers got StepFailed, this rank
+                raise                        # gets what it raised
+
             zero_unreached_grads(self.compiled, w, {self.rank})
             from .wire import _wait
 

@@ -146,6 +146,23 @@ def _in_rank_failures(rank, world, fwd_rank=0, bwd_rank=0, only=None):
         h.remove()
     check("backward", e, took, bwd_rank, "B")
     assert "on purpose" in str(e), str(e)
+    if only is None:  # not an Exception: that rank gets it back, its peers a StepFailed, the group stays in step
+        def interrupt(g):
+            raise KeyboardInterrupt
+        h = pipe.parameters()[0].register_hook(interrupt) if rank == world - 1 else None
+        import time as _time
+        t = _time.perf_counter()
+        try:
+            pipe.step(good)
+            raise AssertionError("no error")
+        except KeyboardInterrupt:
+            out["interrupt"] = "KeyboardInterrupt"
+        except StepFailed as e:
+            out["interrupt"] = f"StepFailed: {e}"
+            assert e.origin == world - 1 and e.usable and _time.perf_counter() - t < 10, str(e)
+        if h is not None:
+            h.remove()
+        _good_step(pipe, ref, other, rank, "after interrupt")
     return out
 
 
@@ -154,6 +171,8 @@ def test_failures_inside_a_rank_reach_every_rank_at_once_and_leave_grads_as_befo
     out = spawn(_in_rank_failures, 2, (), timeout=240)
     for label in ("label", "table", "forward", "backward"):
         assert out[0][label] == out[1][label], label  # the same error on every rank
+    assert out[1]["interrupt"] == "KeyboardInterrupt" and out[0]["interrupt"].startswith("StepFailed"), \
+        (out[0]["interrupt"], out[1]["interrupt"])
 
 
 @pytest.mark.timeout(400)
@@ -200,6 +219,20 @@ def _disagreeing(rank, world):
             raise RuntimeError("cannot build this step, on purpose")
         pipe._workload = broken
     expect("local")
+    # bad input on one rank only (a token past the table, a microbatch count of 0, another schedule): that rank
+    # raises its own error, the others a PlanError naming it, in the same step; the group stays in step
+    bad = dict(good)
+    ids = bad["input_ids"].clone()
+    ids[0, -3] = 10_000
+    bad["input_ids"] = ids
+    for label, kw in (("one_bad_batch", {"batch": bad}), ("one_zero_mb", {"n_microbatches": 0}),
+                      ("one_schedule", {"schedule": "gpipe"})):
+        try:
+            pipe.step(**({"batch": good} | kw)) if rank == 1 else pipe.step(good)
+            raise AssertionError(f"rank {rank} {label}: no error")
+        except (PlanError, dipc.BatchError, ValueError) as e:
+            out[label] = f"{type(e).__name__}: {e}"
+        _good_step(pipe, ref, batches[2], rank, f"after {label}")
     # a position past a learned table: latents with more frames than the DiT's learned position table; the
     # re-capture for that size fails on every rank, which all raise the same error before any activation moves
     import torch
@@ -230,7 +263,13 @@ def test_ranks_that_disagree_all_raise_before_any_activation_moves_2_ranks():
         assert "the ranks disagree on the step" in out[0][label] and "the ranks disagree" in out[1][label], label
     assert all("rank 1 could not build the step: RuntimeError: cannot build this step, on purpose" in o["local"]
                for o in out), [o["local"] for o in out]
-    assert all("different steps (from step 3 to step 4" in o["skipped"] for o in out), [o["skipped"] for o in out]
+    assert all("different steps (from step 6 to step 7" in o["skipped"] for o in out), [o["skipped"] for o in out]
+    assert out[1]["one_bad_batch"].startswith("BatchError") and "10000" in out[1]["one_bad_batch"]
+    assert "rank 1 could not build the step: BatchError" in out[0]["one_bad_batch"], out[0]["one_bad_batch"]
+    assert out[1]["one_zero_mb"].startswith("ValueError: n_microbatches must be an int >= 1, got 0")
+    assert "rank 1 could not build the step: ValueError" in out[0]["one_zero_mb"], out[0]["one_zero_mb"]
+    assert all("this rank asked for schedule 'gpipe', rank 0 for 'dip'" in o["one_schedule"] for o in out), \
+        [o["one_schedule"] for o in out]
     assert out[0]["table"] == out[1]["table"], (out[0]["table"], out[1]["table"])
     assert "step 0: rank 0 could not plan it: PlanError: building the step failed: CaptureError" in out[0]["table"]
     assert "must match the size of tensor" in out[0]["table"], out[0]["table"]
@@ -252,12 +291,24 @@ def _killed(rank, world, path, victim):
     pipe.step(next(steps))
     if rank == victim:  # dies in the middle of its next backward
         pipe.parameters()[0].register_hook(lambda g: os._exit(3))
+    import torch
+
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
     t = time.perf_counter()
     try:
         pipe.step(next(steps))
     except StepFailed as e:
+        took = time.perf_counter() - t
+        same = all(torch.equal(p.grad, before[n]) for n, p in pipe.named_parameters() if n in before)
+        t = time.perf_counter()
+        try:  # a broken group refuses further steps at once instead of waiting another timeout
+            pipe.step(batches[3])
+            refused = "no error"
+        except RuntimeError as r:
+            refused = f"{time.perf_counter() - t:.3f} s: {r}"
         with open(path, "w") as f:
-            json.dump({"took": time.perf_counter() - t, "error": str(e), "usable": e.usable}, f)
+            json.dump({"took": took, "error": str(e), "usable": e.usable, "grads_as_before": same,
+                       "refused": refused}, f)
         return None
     finally:
         pipe.close()
@@ -277,5 +328,6 @@ def test_a_killed_rank_is_seen_by_its_peer_within_seconds(tmp_path, victim):
     with pytest.raises(SpawnError, match=rf"ranks \[{victim}\] exited without reporting"):
         spawn(_killed, 2, (path, victim), timeout=120)
     seen = json.load(open(path))
-    assert seen["took"] < 10 and not seen["usable"], seen
+    assert seen["took"] < 10 and not seen["usable"] and seen["grads_as_before"], seen
+    assert "process group broke at step 1" in seen["refused"] and float(seen["refused"].split(" s:")[0]) < 1, seen
     assert f"rank {victim}" in seen["error"] and "step 1" in seen["error"], seen["error"]

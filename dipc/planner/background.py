@@ -91,6 +91,9 @@ def _serve(conn, compiled, options: dict) -> None:
     code = 0
     try:
         torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is not the child's
+        # a new capture (torch.export, seconds) is the training process's to make: it needs it to run the step
+        # anyway; the planner says so at once and is forked again, with the capture, for the next batch
+        compiled.allow_capture = False
         try:  # DIP plans on idle CPU cores: SCHED_IDLE yields the core at once to a training process that wakes
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (OSError, AttributeError):  # not Linux: the lowest nice level instead
@@ -110,7 +113,7 @@ def _serve(conn, compiled, options: dict) -> None:
                 break
             head, batch = decode_batch(frame)
             t0, c0 = time.perf_counter(), time.process_time()
-            reply: dict[str, Any] = {"step": head["step"]}
+            reply: dict[str, Any] = {"step": head["step"], "seq": head.get("seq", -1)}
             try:
                 if delay:
                     time.sleep(delay)
@@ -126,7 +129,10 @@ def _serve(conn, compiled, options: dict) -> None:
                 reply.update(digest=workload_digest(w), plan=text, schedule=head["schedule"],
                              n_microbatches=head["n_microbatches"])
             except Exception as e:  # the runtime falls back; the process goes on with the next batch
+                from ..compiler import NeedsCapture
+
                 reply["error"] = f"{type(e).__name__}: {e}"
+                reply["needs_capture"] = isinstance(e, NeedsCapture)
                 plan = None
             reply["seconds"] = time.perf_counter() - t0  # wall: includes waiting for an idle core
             reply["cpu_seconds"] = time.process_time() - c0
@@ -179,10 +185,12 @@ class BackgroundPlanner:
         self.options = dict(options)
         self.pid: int | None = None
         self.exitcode: int | None = None
+        self.programs_at_fork = 0
         self.conn = None
         self.starts = 0
         self.submitted: int | None = None  # step of the newest batch sent
-        self.inbox: dict[int, dict] = {}  # step -> plan reply
+        self.inbox: dict[int, dict] = {}  # request sequence number -> plan reply
+        self.seq = 0  # of the newest request
         self.simulations: dict[int, dict] = {}  # step -> the simulated figures of its plan
         self._sender = None
         self._outbox = None
@@ -200,6 +208,7 @@ class BackgroundPlanner:
             _serve(child, self.compiled, self.options)
         child.close()
         self.pid, self.exitcode = pid, None
+        self.programs_at_fork = len(self.compiled.programs)
         self.conn = parent
         self.starts += 1
 
@@ -214,6 +223,17 @@ class BackgroundPlanner:
         if pid:
             self.exitcode = os.waitstatus_to_exitcode(status)
 
+    def _kill(self) -> None:
+        """Stop the planning process now (SIGKILL; no wait for its current plan)."""
+        import signal
+
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self._reap(block=True)
+        self.exitcode = -9
+
     def alive(self) -> bool:
         """Whether the planning process runs."""
         self._reap()
@@ -227,10 +247,13 @@ class BackgroundPlanner:
         Raises:
             TypeError: a non-tensor value of ``batch`` is not JSON.
         """
-        frame = encode_batch({"step": step, "n_microbatches": n_microbatches, "schedule": schedule,
+        self.seq += 1  # a retried step (after a failure) sends its look-ahead again: only the newest counts
+        frame = encode_batch({"step": step, "seq": self.seq, "n_microbatches": n_microbatches, "schedule": schedule,
                               "budget_s": budget_s, "seed": seed}, batch)
+        if self.alive() and len(self.compiled.programs) != self.programs_at_fork:
+            self._kill()  # this process captured since the fork: a new fork inherits the captures
         if not self.alive():
-            if self.pid is not None:
+            if self.pid is not None and self.exitcode not in (None, -9):
                 log.warning("dipc: the background planner exited (code %s); restarting it", self.exitcode)
             self.close()
             self._start()
@@ -264,7 +287,7 @@ class BackgroundPlanner:
         if "simulation" in msg and "plan" not in msg:
             self.simulations[msg["step"]] = msg["simulation"]
         else:
-            self.inbox[msg["step"]] = msg
+            self.inbox[msg.get("seq", -1)] = msg
         return True
 
     def take(self, step: int, wait_s: float) -> tuple[dict | None, str]:
@@ -273,7 +296,7 @@ class BackgroundPlanner:
         if self.submitted != step or self.conn is None:
             return None, "no batch for this step was given to the planner"
         deadline = time.monotonic() + max(wait_s, 0.0)
-        while step not in self.inbox:
+        while self.seq not in self.inbox:
             try:
                 if not self._read(deadline - time.monotonic()):
                     self.submitted = None
@@ -285,12 +308,13 @@ class BackgroundPlanner:
                         break
                     time.sleep(0.01)
                 return None, f"the planner process died (exit code {self.exitcode})"
-        reply = self.inbox.pop(step)
+        reply = self.inbox.pop(self.seq)
         self.submitted = None  # consumed: a retry of this step (after a failure) plans synchronously
-        for old in [s for s in self.inbox if s < step]:
-            del self.inbox[old]
+        self.inbox.clear()  # replies to older requests
         for old in [s for s in self.simulations if s < step - 1]:  # reports nobody read
             del self.simulations[old]
+        if reply.get("needs_capture"):
+            return None, f"the look-ahead needs a capture the planner does not have ({reply['error']})"
         if "error" in reply:
             return None, f"the planner failed: {reply['error']}"
         return reply, ""
