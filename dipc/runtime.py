@@ -1327,16 +1327,8 @@ class PipelineRuntime:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's parameters and persistent buffers under every original name (tied weights under each alias);
-        buffers no chunk reads are kept by rank 0."""
-        out = {}
-        for pid in self.local_param_ids:
-            for n in self._names_by_id[pid]:
-                out[n] = self._param_obj[pid].detach().clone()
-        persistent = set(self.compiled.model.state_dict(keep_vars=True))
-        for n, b in self.compiled.model.named_buffers(remove_duplicate=False):
-            if n in persistent and (n in self._local_state_names or self.rank == 0):
-                out[n] = b.detach().clone()
-        return out
+        buffers no chunk reads are kept by rank 0.  Copies (:meth:`state_dict_names` gives the tensors)."""
+        return {n: t.detach().clone() for n, t in self.state_dict_names().items()}
 
     def _owners(self) -> list[tuple[int, str, torch.Tensor]]:
         """``(owner rank, name, tensor)`` for every entry of the full state dict, in model order: a parameter's
