@@ -1,0 +1,75 @@
+"""Planner time per batch vs microbatch count, at the paper's scale (DIP issue "search and asynchronous planning").
+
+    python bench/planner_time.py                       # VLM-S (P=4) and VLM-L (P=8), 8..64 microbatches
+    python bench/planner_time.py --out docs/bench_planner_time.md
+
+For each setup (compiled on meta as ``bench/paper.py`` does: the paper's PP/TP on the H800 profile) and each
+microbatch count, one batch of the paper's mixed image-text distribution is planned with DIP under the 80 GB limit
+(``schedule="dip"``, ``budget_s=0``: the interleaver and the per-rank memory ILP, no search), timing each part of
+the per-batch path on one core: the split into microbatches and sub-microbatches, the step's stage graph
+(:func:`dipc.runtime.build_workload`), scheduling + memory optimisation + lowering (:func:`dipc.runtime.make_plan`
+with ``check=False``), and :func:`dipc.plan.validate`.  The stage count shows how the work grows.  This is the time a
+background planner needs per step (it must stay under the previous step's iteration time, shown as the simulated
+iteration time of the plan).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="VLM-S,VLM-L")
+    ap.add_argument("--microbatches", default="8,16,32,64")
+    ap.add_argument("--memory-limit", type=float, default=80e9, help="bytes per GPU")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    import paper
+    from dipc.plan import validate
+    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.simulate import simulate_workload
+
+    rows = []
+    for name in args.models.split(","):
+        compiled, batch_fn, compile_s = paper.build(name)
+        for n in [int(x) for x in args.microbatches.split(",")]:
+            batch = batch_fn(n, 1)
+            t = [time.perf_counter()]
+            mbs = split_for(compiled, batch, n)
+            t.append(time.perf_counter())
+            w = build_workload(compiled, mbs)
+            t.append(time.perf_counter())
+            plan = make_plan(compiled, w, 0, check=False, memory_limit=args.memory_limit)
+            t.append(time.perf_counter())
+            validate(plan)
+            t.append(time.perf_counter())
+            res = simulate_workload(compiled, w, plan)
+            parts = [b - a for a, b in zip(t, t[1:])]
+            rows.append((name, compiled.pp_size, n, len(w.graph.stages), *parts, sum(parts), res.iteration_time,
+                         max(res.peak_memory) / 1e9))
+            print(rows[-1], flush=True)
+    lines = ["# Planner time per batch vs microbatch count (DIP, 80 GB per GPU, no search, one core)", "",
+             "`python bench/planner_time.py`: seconds per part of the per-batch path.", "",
+             "| setup | P | microbatches | stages | split s | stage graph s | schedule + ILP + lower s | validate s "
+             "| total s | simulated iteration s | peak GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.3f} | {r[7]:.3f} | "
+                     f"{r[8]:.3f} | {r[9]:.2f} | {r[10]:.1f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
