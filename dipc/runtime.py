@@ -1435,7 +1435,6 @@ class PipelineRuntime:
         from .wire import broadcast_json
 
         name = self.schedule if schedule is None else schedule
-        tw = time.perf_counter()
         local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
         w, mine = None, "(this rank could not build the step)"
         if early is not None:  # the batch or an argument was refused before this rank could split the batch
@@ -1446,13 +1445,11 @@ class PipelineRuntime:
                 mine = workload_digest(w)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
-        tw = time.perf_counter() - tw
         n = len(microbatches) if microbatches is not None else -1
-        info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None, "simulation": None,
+        info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None,
                                 "why": ""}
         header = None
         if self.rank == 0:
-            t0 = time.perf_counter()
             try:
                 if local_err is not None:
                     raise PlanError(f"building the step failed: {local_err}") if early is None else early
@@ -1506,15 +1503,14 @@ class PipelineRuntime:
                 if plan is None:
                     plan = self._make(w, name)
                 text = reply["plan"] if info["source"] == "async" else plan.to_json()
+                text_digest = Plan.text_digest(text)
                 if info["source"] == "async":
-                    plan._validated = Plan.text_digest(text)
+                    plan._validated = text_digest
                 header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
-                          "plan": text, "plan_digest": Plan.text_digest(text), "source": info["source"],
+                          "plan": text, "plan_digest": text_digest, "source": info["source"],
                           "why": info["why"]}
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
-            info["rank0_plan_s"] = time.perf_counter() - t0
-        td = time.perf_counter()
         src = 0
         header = broadcast_json(header, src, self.group, self.device, self.timeout,
                                 what=f"the plan of step {self.step_index}")
@@ -1582,7 +1578,6 @@ class PipelineRuntime:
                 "a Python set of strings (Hugging Face Gemma3: set(config.layer_types)) follows the hash seed, so "
                 "start every rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: "
                 "PYTHONHASHSEED=0 torchrun ...)")
-        info["workload_s"], info["delivery_s"] = tw, time.perf_counter() - td
         self._plan_info = info
         w.microbatches = microbatches
         return w, plan
@@ -1695,7 +1690,7 @@ class PipelineRuntime:
             step=self.step_index, schedule=info.get("schedule", schedule), plan_source=info.get("source", "sync"),
             fallbacks=self.fallbacks, fallback_reason=info.get("why", ""), plan_s=t1 - t0, execute_s=t2 - t1,
             planner_s=info.get("planner_s"), planner_cpu_s=info.get("planner_cpu_s"), predicted_s=plan.simulated.get("iteration_time"),
-            search=plan.simulated.get("search"), simulation=info.get("simulation"), _pipe=self, _plan=plan,
+            search=plan.simulated.get("search"), simulation=None, _pipe=self, _plan=plan,
             _workload=w)
         self.step_index += 1
         return loss
