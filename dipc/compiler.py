@@ -57,6 +57,9 @@ class CompiledPipeline:
     Build it with :func:`compile`.  Inspect with :meth:`describe`, :meth:`modality_report`, :attr:`partition` and
     :attr:`program` (its ``chunks[c].gm`` are the generated GraphModules); write sources with :meth:`save`; train
     with :meth:`runtime` in each of the ``pp_size`` processes.
+
+    ``mode_dependent``: the model has dropout (or a batch norm), so its ``train()`` and ``eval()`` forwards
+    differ and :meth:`program_for` keeps a capture per mode.
     """
 
     def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
@@ -134,6 +137,8 @@ class CompiledPipeline:
                 raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
                                  f"{self.partition.modalities}")
         self.specialized = cap.specialized
+        # a model whose forward differs between train() and eval() (dropout) gets a capture per mode
+        self.mode_dependent = _mode_dependent(model)
         self.program = self._program_from(cap)
         _check_acyclic(self.program, self.partition)
         self.programs: list[Program] = [self.program]
@@ -220,6 +225,7 @@ class CompiledPipeline:
                 stack.extend(n.all_input_nodes)
         prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
                        sizes=sizes)
+        prog.training = self.model.training  # the mode it was captured in (see mode_dependent)
         if self.device is not None:
             prog.chunk_costs = self._chunk_costs(cap)
             prog.block_costs_of = self._block_costs
@@ -365,12 +371,17 @@ class CompiledPipeline:
 
         Args:
             data: a microbatch, or a sub-microbatch view (instance keys sliced).
+
+        A model with dropout (:attr:`mode_dependent`) is captured per mode: the program is one captured while the
+        model was in its current mode (``model.train()`` / ``model.eval()``, which ``pipe.train()`` / ``pipe.eval()``
+        set); a model without runs the same graphs in both.
             whole: ``data`` is a whole microbatch (the eager model can run it): with ``check``, a new capture is
                 compared with the eager model (:func:`dipc.check.check_capture`).
         """
         traced = self.traced(data)
+        mode = self.model.training
         for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
-            if prog.fits(data, traced):
+            if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):
                 return prog
         if not getattr(self, "allow_capture", True):  # rank 0's background planner: the training process captures
             raise NeedsCapture(f"no capture of {type(self.model).__name__} fits a microbatch with shapes "
@@ -646,6 +657,29 @@ class CompiledPipeline:
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s)
+
+
+def _mode_dependent(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward may differ between ``train()`` and ``eval()``: an ``nn.Dropout*`` with p > 0, a
+    batch norm, or a dropout probability > 0 kept as a float attribute of a module or in a Hugging Face config
+    (``attention_dropout``, ``hidden_dropout_prob``: the functional dropout of ``self.training``)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    for m in model.modules():
+        if isinstance(m, _BatchNorm) or (isinstance(m, _DropoutNd) and m.p > 0):
+            return True
+        items = list(vars(m).items())
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "to_dict"):
+            try:
+                items += list(cfg.to_dict().items())
+            except Exception:  # noqa: BLE001 - a config that cannot list itself: its modules still count
+                pass
+        for k, v in items:
+            if "dropout" in k.lower() and isinstance(v, float) and v > 0:
+                return True
+    return False
 
 
 def _example_bytes(v) -> float:

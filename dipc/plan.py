@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import Callable, Iterable
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key",
-           "recomputed_blocks"]
+           "recomputed_blocks", "forward_only"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -162,6 +162,8 @@ class Plan:
         deps: compute stage key -> keys of the compute stages it depends on.
         microbatches: per microbatch, its metadata (instances, sub-microbatch ranges, loss weight, shapes).
         simulated: optional schedule figures (stage start/end in seconds, iteration time) from the planner.
+        forward_only: an evaluation plan (:func:`forward_only`): forwards and their activation messages only, no
+            backward, nothing kept for one.
     """
 
     step: int
@@ -170,6 +172,7 @@ class Plan:
     deps: dict[str, list[str]]
     microbatches: list[dict] = dataclasses.field(default_factory=list)
     simulated: dict = dataclasses.field(default_factory=dict)
+    forward_only: bool = False
 
     @property
     def n_ranks(self) -> int:
@@ -180,10 +183,12 @@ class Plan:
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks))
 
     def to_json(self) -> str:
-        return json.dumps({"step": self.step, "chunk_ranks": self.chunk_ranks,
-                           "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
-                           "deps": self.deps, "microbatches": self.microbatches, "simulated": self.simulated},
-                          sort_keys=True)
+        d = {"step": self.step, "chunk_ranks": self.chunk_ranks,
+             "ranks": [[a.to_json() for a in acts] for acts in self.ranks],
+             "deps": self.deps, "microbatches": self.microbatches, "simulated": self.simulated}
+        if self.forward_only:
+            d["forward_only"] = True
+        return json.dumps(d, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "Plan":
@@ -197,7 +202,8 @@ class Plan:
             plan = Plan(step=int(d["step"]), chunk_ranks=[int(r) for r in d["chunk_ranks"]],
                         ranks=[[Action.from_json(a) for a in acts] for acts in d["ranks"]],
                         deps={str(k): [str(x) for x in v] for k, v in d["deps"].items()},
-                        microbatches=list(d.get("microbatches", [])), simulated=dict(d.get("simulated", {})))
+                        microbatches=list(d.get("microbatches", [])), simulated=dict(d.get("simulated", {})),
+                        forward_only=bool(d.get("forward_only", False)))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise PlanError(f"not a dipc plan: {type(e).__name__}: {e}") from None
         return plan
@@ -219,6 +225,24 @@ class Plan:
                     yield r, a
 
 
+def forward_only(plan: Plan) -> Plan:
+    """The evaluation plan of ``plan``: each rank's forwards and activation messages in ``plan``'s order, the
+    backwards and gradient messages dropped, every forward at the "keep" strategy (nothing is kept: the executor runs
+    it without autograd).  Megatron's ``forward_only=True`` pipeline.  Dropping actions only removes waits, so a plan
+    that :func:`validate` accepts stays deadlock-free; the result is validated again by the runtime.
+
+    Raises:
+        PlanError: ``plan`` is already forward-only.
+    """
+    if plan.forward_only:
+        raise PlanError("the plan is already forward-only")
+    ranks = [[dataclasses.replace(a, strategy="keep") if a.kind == "F" else a
+              for a in acts if a.kind in ("F", "SEND_F", "RECV_F")] for acts in plan.ranks]
+    deps = {k: [d for d in v if d.startswith("F")] for k, v in plan.deps.items() if k.startswith("F")}
+    return Plan(step=plan.step, chunk_ranks=list(plan.chunk_ranks), ranks=ranks, deps=deps,
+                microbatches=list(plan.microbatches), simulated={}, forward_only=True)
+
+
 def validate(plan: Plan) -> list[tuple[int, int]]:
     """Check ``plan`` (see the module docstring) and return a feasible global execution order.
 
@@ -229,13 +253,16 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
     Raises:
         PlanError: naming the first problem found (unmatched send/receive, tensor mismatch, out-of-order
             messages between a rank pair, missing/duplicate/misplaced stage, broken dependency, deadlock, an
-            incomplete plan: a forward without its backward or the other way round, a microbatch without stages).
+            incomplete plan: a forward without its backward or the other way round, a microbatch without stages;
+            a backward in a forward-only plan).
     """
     sends: dict[int, tuple[int, int, Action]] = {}
     recvs: dict[int, tuple[int, int, Action]] = {}
     where: dict[str, tuple[int, int]] = {}
     for r, acts in enumerate(plan.ranks):
         for i, a in enumerate(acts):
+            if plan.forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
+                raise PlanError(f"{a} on rank {r}: a forward-only plan has no backward actions")
             if a.kind in COMPUTE:
                 if a.stage in where:
                     raise PlanError(f"stage {a} appears twice (rank {where[a.stage][0]} and rank {r})")
@@ -317,7 +344,7 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                                 f"backward {a} has {a.strategy!r}")
     order = dry_run(plan)
     # complete: every forward has its backward and the other way round, every microbatch has stages
-    for st, (r, i) in where.items():
+    for st, (r, i) in ([] if plan.forward_only else where.items()):
         a = plan.ranks[r][i]
         other = stage_key("B" if a.kind == "F" else "F", a.chunk, a.mb, a.sub)
         if other not in where:

@@ -495,6 +495,18 @@ class Executor:
         self.posted: set[int] = set()  # message ids sent or whose receive is posted
         self.failure = None
         self.statuses: list[tuple] = []  # CUDA: (status word, action) of received messages, read at finish()
+        self.uses: dict[str, int] = {}  # forward-only plans: F key -> reads of its outputs still to come on this rank
+        if plan.forward_only:
+            for a in plan.ranks[rank]:
+                if a.kind == "SEND_F":
+                    k = _fkey(a.chunk, a.mb, a.sub)
+                    self.uses[k] = self.uses.get(k, 0) + 1
+                elif a.kind == "F":
+                    self.uses.setdefault(a.stage, 0)
+                    for producers in workload.wiring.get(a.stage, {}).values():
+                        for pk, _ in producers:
+                            if workload.graph.stages[pk].rank == rank:
+                                self.uses[pk] = self.uses.get(pk, 0) + 1
         self.t0 = time.perf_counter()
 
     def run(self, actions=None):
@@ -566,6 +578,8 @@ class Executor:
         fk = _fkey(a.chunk, a.mb, a.sub)
         if a.kind == "SEND_F":
             src = self.outputs[fk]
+            if self.plan.forward_only:
+                self._used(fk)
         else:
             src = self.out_grads.pop((fk, _fkey(a.peer_chunk, a.mb, a.peer_sub)))
         tensors = []
@@ -623,17 +637,28 @@ class Executor:
                     needs_grad |= self._meta(pk, pname).requires_grad
                     pr = self.w.graph.stages[pk].rank
                     parts.append(self.outputs[pk][pname] if pr == self.rank else self.received[fk][pk][pname])
+                    if pr == self.rank and self.plan.forward_only:
+                        self._used(pk)
                 if not parts:
                     shape, dtype = self.w.empty[fk][inp.name]
                     t = torch.zeros(shape, dtype=dtype, device=self.device)
                 else:
                     t = parts[0] if len(parts) == 1 else torch.cat([p.detach() for p in parts], dim=0)
                 t = t.detach()
-                if needs_grad and t.is_floating_point():  # no gradient for RoPE tables, masks, ...: autograd
+                if needs_grad and t.is_floating_point() and not self.plan.forward_only:  # no gradient for RoPE tables, masks, ...: autograd
                     t.requires_grad_(True)                 # then keeps nothing for them either
                     leaves[inp.name] = t
                 kwargs[inp.name] = t
         mod = self.mods[(id(prog), a.chunk)]
+        if self.plan.forward_only:  # evaluation: no autograd graph; outputs live until their last reader here
+            with torch.no_grad():
+                out = mod(**kwargs)
+            if cm.loss is not None:
+                self.losses[a.mb] = out[cm.loss].detach()
+            self.received.pop(fk, None)
+            self.outputs[fk] = out
+            self._used(fk, 0)
+            return
         if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
@@ -649,6 +674,13 @@ class Executor:
         if cm.loss is not None:
             self.losses[a.mb] = out[cm.loss].detach()
         self.received.pop(fk, None)
+
+    def _used(self, fk: str, n: int = 1) -> None:
+        """Forward-only plans: one read of ``fk``'s outputs is done; they are dropped after the last one."""
+        left = self.uses.get(fk, 0) - n
+        self.uses[fk] = left
+        if left <= 0:
+            self.outputs.pop(fk, None)
 
     def _backward(self, a):
         fk = _fkey(a.chunk, a.mb, a.sub)
@@ -1228,6 +1260,26 @@ class PipelineRuntime:
         """``(original fully qualified name, parameter)`` for this rank's parameters."""
         return [(self._names_by_id[pid][0], self._param_obj[pid]) for pid in self.local_param_ids]
 
+    @property
+    def training(self) -> bool:
+        """The model's mode (``nn.Module.training``)."""
+        return self.compiled.model.training
+
+    def train(self, mode: bool = True) -> "PipelineRuntime":
+        """Set the model's mode, as ``nn.Module.train``: the chunks of later steps run the graphs captured in that
+        mode (a model with dropout, :attr:`dipc.compiler.CompiledPipeline.mode_dependent`, is captured once per
+        mode and shape on first use; others run the same graphs in both).  Whether a step runs backward follows
+        the grad mode or the call (:meth:`eval_step`), not this.  Call it on every rank alike (a rank in the
+        other mode traces another graph: the plan check raises on every rank).  Returns this runtime."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"train(mode): mode must be a bool, got {mode!r}")
+        self.compiled.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRuntime":
+        """``train(False)``."""
+        return self.train(False)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear this rank's parameters' gradients (as ``torch.nn.Module.zero_grad``)."""
         for p in self.parameters():
@@ -1312,6 +1364,122 @@ class PipelineRuntime:
             for n in mine:
                 if n in state_dict:
                     targets[n].copy_(state_dict[n].to(targets[n].device, targets[n].dtype))
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's part of a full state dict (:meth:`full_state_dict`, or the unsplit model's
+        ``state_dict()``) that must hold every entry of the model, not only this rank's.
+
+        Raises:
+            KeyError: an entry of the model is missing or a name is not the model's (named).
+            ValueError: an entry's shape differs from the model's (named), before anything is copied.
+        """
+        want = set(self.compiled.model.state_dict(keep_vars=True))
+        missing, unknown = sorted(want - set(state_dict)), sorted(set(state_dict) - want)
+        if missing or unknown:
+            raise KeyError(f"load_full_state_dict: the state dict misses {missing[:10]}"
+                           f"{'...' if len(missing) > 10 else ''} and has unexpected {unknown[:10]}"
+                           f"{'...' if len(unknown) > 10 else ''} (a full state dict holds every rank's entries)")
+        self.load_state_dict(state_dict, strict=True)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state (an optimizer over :meth:`parameters`) keyed by the original parameter names, in
+        torch.distributed.checkpoint's flattened form (``state.<name>.exp_avg``, ``param_groups.<name>.lr``):
+        ``get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))``
+        on the whole model, so the unsplit model's optimizer and one at any pp size read it alike (a tied weight's
+        ranks hold the same state under the same name).
+
+        Raises:
+            ValueError: ``optimizer`` holds a parameter that is not this rank's.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self._check_optimizer(optimizer)
+        return get_optimizer_state_dict(self.compiled.model, optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
+        """Load :meth:`optimizer_state_dict`'s form (this rank's names, or a superset) into ``optimizer``.
+
+        Raises:
+            ValueError: ``optimizer`` holds a parameter that is not this rank's.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        self._check_optimizer(optimizer)
+        set_optimizer_state_dict(self.compiled.model, optimizer, dict(state_dict),
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def _check_optimizer(self, optimizer) -> None:
+        mine = {id(p) for p in self.parameters()}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in mine:
+                    raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of "
+                                     f"rank {self.rank}'s (build it from pipe.parameters())")
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """What :meth:`save_checkpoint` writes: ``{"model": this rank's state dict entries (the tensors, no copy),
+        "optim": optimizer_state_dict(optimizer)}`` ("optim" only with an optimizer)."""
+        out = {"model": self.state_dict_names()}
+        if optimizer is not None:
+            out["optim"] = self.optimizer_state_dict(optimizer)
+        return out
+
+    def save_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping | None = None) -> None:
+        """Write a torch.distributed.checkpoint (DCP) checkpoint of the model (and ``optimizer``) under the
+        original names: every rank writes its own entries, a tied weight once (a collective over the pipeline's
+        ranks).  The keys are ``model.<name>`` and ``optim.state.<name>.<field>`` / ``optim.param_groups.<name>.<key>``,
+        so an unsplit model loads it with ``sd = {"model": model.state_dict()}; dcp.load(sd, checkpoint_id=path,
+        no_dist=True); model.load_state_dict(sd["model"])`` (its optimizer likewise, through
+        ``get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))``),
+        and a pipeline of any pp size with :meth:`load_checkpoint`.
+
+        Args:
+            checkpoint_id: the checkpoint's directory (as ``torch.distributed.checkpoint.save``).
+            optimizer: this rank's optimizer, or None.
+            extra: more entries under their own keys (e.g. ``{"step": torch.tensor(step)}``, a scheduler's
+                ``state_dict()``): the same on every rank.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        sd = self.checkpoint_state(optimizer)
+        if extra:
+            if set(extra) & set(sd):
+                raise ValueError(f"extra may not use the keys {sorted(set(extra) & set(sd))}")
+            sd.update(extra)
+        dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+
+    def load_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping | None = None) -> None:
+        """Load a DCP checkpoint written by :meth:`save_checkpoint` at any pp size, or by the unsplit model under
+        ``{"model": model.state_dict(), "optim": ...}``: this rank reads its own entries (and ``optimizer``'s
+        state); ``extra``'s tensors are loaded in place as ``dcp.load`` does.  Round trips are exact.
+
+        Raises:
+            RuntimeError (from DCP): an entry this rank needs is not in the checkpoint, or its shape differs.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
+        if optimizer is not None:
+            # a fresh optimizer has no state tensors to load into: torch initialises them (a step at lr 0), but only
+            # when no parameter has a .grad, so the gradients step aside meanwhile
+            grads = [(p, p.grad) for p in self.parameters()]
+            if not optimizer.state:
+                for p, _ in grads:
+                    p.grad = None
+            try:
+                sd["optim"] = self.optimizer_state_dict(optimizer)
+            finally:
+                for p, g in grads:
+                    p.grad = g
+        if extra:
+            sd.update(extra)
+        dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        self.load_state_dict(sd["model"], strict=False)
+        if optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, sd["optim"])
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:
         """This rank's entries of the state dict, name -> the model's tensor (no copy)."""
@@ -1402,9 +1570,16 @@ class PipelineRuntime:
         parts = all_gather_json(mine, self.group, self.device, self.timeout, what="trace events")
         return [e for p in parts for e in p]
 
-    def _make(self, w: StepWorkload, schedule: str) -> Plan:
+    def _make(self, w: StepWorkload, schedule: str, forward_only: bool = False) -> Plan:
         from .codegen.templates import template
 
+        if forward_only:  # evaluation: the template's order without its backwards (no memory to plan for)
+            from .plan import forward_only as drop_backwards
+
+            plan = drop_backwards(make_plan(self.compiled, w, self.step_index, schedule=schedule, check=False))
+            validate(plan)
+            plan._validated = plan.digest()
+            return plan
         return make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
                          budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
                          seed=self.seed + self.step_index)
@@ -1417,7 +1592,7 @@ class PipelineRuntime:
 
     def plan_step(self, microbatches: list[Microbatch] | None, schedule: str | None = None,
                   batch: Mapping[str, torch.Tensor] | None = None, given: Plan | None = None,
-                  early: BaseException | None = None) -> tuple[StepWorkload, Plan]:
+                  early: BaseException | None = None, forward_only: bool = False) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
         checks step and digest on every rank.
 
@@ -1425,6 +1600,9 @@ class PipelineRuntime:
         (the step's batch) lets a rank re-split it when rank 0 falls back to a template that splits otherwise.  Rank
         0 sends a JSON header (step, schedule, workload digest, the plan's JSON and digest, where the plan came from)
         by :func:`dipc.wire.broadcast_json`: no pickle, and the runtime's timeout.
+
+        ``forward_only``: an evaluation plan (:func:`dipc.plan.forward_only`, :meth:`eval_step`); the digest every
+        rank checks says so, so a rank evaluating while another trains raises on every rank.
 
         Raises:
             PlanError: rank 0 could not plan the step (on every rank), the ranks disagree on the step's batch or
@@ -1441,8 +1619,9 @@ class PipelineRuntime:
             local_err = f"{type(early).__name__}: {early}"
         else:
             try:
-                w = self._workload(microbatches)
-                mine = workload_digest(w)
+                w = build_workload(self.compiled, microbatches) if forward_only else self._workload(microbatches)
+                mode = ("train-mode:" if self.training else "eval-mode:") if self.compiled.mode_dependent else ""
+                mine = ("eval:" if forward_only else "") + mode + workload_digest(w)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
         n = len(microbatches) if microbatches is not None else -1
@@ -1464,7 +1643,7 @@ class PipelineRuntime:
                         validate(given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
-                elif self._planner is not None and self._planner.submitted == self.step_index:
+                elif self._planner is not None and self._planner.submitted == self.step_index and not forward_only:
                     reply, why = self._planner.take(self.step_index, self.plan_wait_s)
                     if reply is not None and (reply.get("schedule"), reply.get("n_microbatches")) != (name, n):
                         reply, why = None, (f"the look-ahead was planned with schedule {reply.get('schedule')!r} "
@@ -1501,7 +1680,7 @@ class PipelineRuntime:
                             mine = workload_digest(w)
                         name = fb
                 if plan is None:
-                    plan = self._make(w, name)
+                    plan = self._make(w, name, forward_only)
                 text = reply["plan"] if info["source"] == "async" else plan.to_json()
                 text_digest = Plan.text_digest(text)
                 if info["source"] == "async":
@@ -1612,26 +1791,16 @@ class PipelineRuntime:
             dipc.plan.PlanError: plan delivery or execution is inconsistent.
             RuntimeError: a distributed wait exceeded the timeout.
         """
+        if not torch.is_grad_enabled():  # under torch.no_grad() / inference_mode(): the forward-only plan
+            if next_batch is not None or plan is not None:
+                raise ValueError("pipe.step under torch.no_grad() runs the forward-only evaluation plan "
+                                 "(pipe.eval_step), which takes no next_batch or plan")
+            return self.eval_step(batch, n_microbatches, schedule)
         t0 = time.perf_counter()
-        if self._broken:
-            raise RuntimeError(f"this pipeline's process group broke at {self._broken}: no further step can run "
-                               "on it (start the processes, or a new process group and runtime, again)")
         if next_batch is None:
             next_batch = getattr(batch, "next_batch", None)
         schedule = self.schedule if schedule is None else schedule
-        n = self.n_microbatches if n_microbatches is None else n_microbatches
-        try:  # bad input: raised here on every rank, after telling the others (a rank alone would desync them)
-            from .codegen.templates import template
-            template(schedule)
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
-            if self.device.type != "cpu":
-                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                         for k, v in batch.items()}
-            mbs = split_for(self.compiled, batch, n, schedule)
-            early = None
-        except Exception as e:  # noqa: BLE001
-            mbs, early = None, e
+        batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
         w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early)
         mbs = w.microbatches
         info = self._plan_info
@@ -1694,6 +1863,81 @@ class PipelineRuntime:
             _workload=w)
         self.step_index += 1
         return loss
+
+    def _split(self, batch, n_microbatches, schedule: str):
+        """The step's arguments checked and its batch split: ``(batch, microbatches, None, n)``, or
+        ``(batch, None, the exception, n)`` when they are refused (raised by :meth:`plan_step` on every rank, after
+        telling the others: a rank alone would desync them).
+
+        Raises:
+            RuntimeError: the process group broke at an earlier step."""
+        if self._broken:
+            raise RuntimeError(f"this pipeline's process group broke at {self._broken}: no further step can run "
+                               "on it (start the processes, or a new process group and runtime, again)")
+        n = self.n_microbatches if n_microbatches is None else n_microbatches
+        try:
+            from .codegen.templates import template
+            template(schedule)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
+            if self.device.type != "cpu":
+                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            return batch, split_for(self.compiled, batch, n, schedule), None, n
+        except Exception as e:  # noqa: BLE001
+            return batch, None, e, n
+
+    def eval_step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
+                  schedule: str | None = None) -> torch.Tensor:
+        """The loss of ``batch`` by a forward-only pipeline (Megatron's ``forward_only=True``): each rank runs its
+        forwards in the order of ``schedule``'s plan (default "1f1b"; :func:`dipc.schedules`) with the backwards
+        dropped (:func:`dipc.plan.forward_only`), without autograd (nothing is kept for a backward; an output is
+        freed after its last reader), and sends activations only.  No gradient, optimizer state or step counter
+        changes; the background planner's look-ahead for the next training step stays valid.  ``pipe.step`` under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` runs this.
+
+        The chunks run as the model was captured: a model compiled in training mode runs its dropout (dipc's
+        models are deterministic; compile a model with dropout in ``eval()`` mode for evaluation numbers).
+
+        Args:
+            batch: as for :meth:`step` (the loss needs its labels).
+            n_microbatches: default the runtime's.
+            schedule: whose forward order to follow; default "1f1b" (no sub-microbatches, no planning search).
+
+        Returns:
+            the batch loss (0-dim float32), identical on every rank and equal to the unsplit model's under
+            ``torch.no_grad()`` up to float rounding.
+
+        Raises:
+            as :meth:`step` (on every rank, before any activation moves, for bad input or ranks that disagree,
+            including one rank evaluating while another trains); ``StepFailed`` for a failure inside the plan.
+        """
+        schedule = "1f1b" if schedule is None else schedule
+        # planning may capture a new program: that is a training trace, whatever grad mode the caller is in
+        with torch.inference_mode(False), torch.enable_grad():
+            batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
+            w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True)
+        mbs = w.microbatches
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+                      yield_after_post=dist.get_backend(self.group) == "gloo")
+        failure = None
+        try:
+            with torch.no_grad():
+                ex.run()
+                ex.finish()
+        except BaseException as e:  # noqa: BLE001 - drained: every rank learns of it in the status exchange
+            failure = e
+        local = torch.zeros((), dtype=torch.float64)
+        if failure is None:
+            local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items()), local)
+        try:
+            return self._exchange_status(ex, failure, local).to(torch.float32)
+        except StepFailed as e:
+            if not e.usable:
+                self._broken = f"evaluation at step {self.step_index} ({e})"
+            if failure is not None and not isinstance(failure, Exception):
+                raise failure from None
+            raise
 
     def _exchange_status(self, ex: Executor, failure: BaseException | None, local_loss: torch.Tensor) -> torch.Tensor:
         """After the plan ran (or was drained after a failure), one all-reduce sums the ranks' loss shares (float64;

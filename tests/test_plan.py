@@ -132,3 +132,26 @@ def test_validate_refuses_incomplete_plans_and_from_json_malformed_text():
                        "TypeError")):
         with pytest.raises(PlanError, match=f"not a dipc plan: {why}"):
             Plan.from_json(text)
+
+
+@settings(max_examples=20, deadline=None)
+@given(p=st.integers(1, 4), m=st.integers(1, 6), tf=st.floats(0.1, 3), tb=st.floats(0.1, 3))
+def test_forward_only_plans_keep_the_forward_order_and_validate(p, m, tf, tb):
+    """An evaluation plan (dipc.plan.forward_only): every rank's forwards and activation messages in the training
+    plan's order, no backward; it validates (no deadlock), survives JSON, and a backward in it is refused."""
+    import dataclasses as dc
+    from dipc.plan import forward_only
+    g = chain_graph(p, m, tf, tb)
+    plan = lower(g, list_schedule(g, p), list(range(p)))
+    fo = forward_only(plan)
+    for r in range(p):
+        assert fo.ranks[r] == [a for a in plan.ranks[r] if a.kind in ("F", "SEND_F", "RECV_F")]
+    validate(fo)
+    back = Plan.from_json(fo.to_json())
+    assert back.forward_only and back.digest() == fo.digest() and back.digest() != plan.digest()
+    with pytest.raises(PlanError, match="already forward-only"):
+        forward_only(fo)
+    bad = dc.replace(fo, ranks=[list(a) for a in fo.ranks])
+    bad.ranks[0].append(Action("B", 0, 0))
+    with pytest.raises(PlanError, match="a forward-only plan has no backward"):
+        validate(bad)

@@ -1,6 +1,6 @@
 """The pipeline in an ordinary training loop (issue "A citizen of any torch training loop"), on 2 CPU ranks against
-the unsplit model: global gradient clipping (2-norm and inf-norm, tied weights counted once) and loading a state
-dict of the unsplit model (a resumed run), in one process group."""
+the unsplit model: global gradient clipping (2-norm and inf-norm, tied weights counted once), loading a state
+dict of the unsplit model (a resumed run) and forward-only evaluation, in one process group."""
 import pytest
 
 from dipc.launch import spawn
@@ -53,9 +53,60 @@ def _loop(rank, world):
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: after loading: {m}")
     with pytest.raises(KeyError, match="missing"):
         pipe.load_state_dict({})
+    out.update(_evaluation(rank, pipe, other, batches))
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         pipe.clip_grad_norm_(-1.0)
     return out
+
+
+def _evaluation(rank, pipe, ref, batches):
+    """Forward-only pipelines: eval_step and step under no_grad / inference_mode equal the unsplit model's loss under
+    no_grad, in two batch orders (the image-free batch first, then last), with 1f1b's and DIP's sub-microbatched
+    order; no gradient moves; the training step after still equals the unsplit model; a rank evaluating while the
+    other trains raises on both."""
+    import torch
+
+    from dipc.plan import PlanError
+    from dipc.testing import unsplit_loss
+
+    pipe.zero_grad()
+    grads_before = {n: None if p.grad is None else p.grad.clone() for n, p in pipe.named_parameters()}
+    step_before = pipe.step_index
+    with torch.no_grad():
+        want = {i: unsplit_loss(ref, batches[i]) for i in (1, 2, 3, 4)}
+    got = {}
+    for order, schedule in (([3, 1, 2, 4], "1f1b"), ([4, 2, 1, 3], "dip")):
+        for i in order:
+            loss = pipe.eval_step(batches[i], schedule=schedule)
+            torch.testing.assert_close(loss, want[i], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: eval_step of batch {i} ({schedule}): {m}")
+            got[(i, schedule)] = float(loss)
+    assert pipe.last_plan is None or not pipe.last_plan.forward_only
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.step(batches[2]), want[2], rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        torch.testing.assert_close(pipe.step(batches[1], n_microbatches=4), want[1], rtol=1e-5, atol=1e-6)
+    for n, p in pipe.named_parameters():
+        assert (p.grad is None) == (grads_before[n] is None), f"rank {rank}: evaluation changed {n}'s .grad"
+    assert pipe.step_index == step_before
+    assert pipe.eval() is pipe and not pipe.training and pipe.train().training
+    # a rank evaluating while the other trains: both raise before any activation moves, and the next step runs
+    with pytest.raises(PlanError, match="disagree"):
+        if rank == 0:
+            pipe.eval_step(batches[1], schedule="dip")
+        else:
+            pipe.step(batches[1], schedule="dip")
+    pipe.zero_grad()
+    ref.zero_grad()
+    loss = pipe.step(batches[2])
+    unsplit_loss(ref, batches[2]).backward()
+    torch.testing.assert_close(loss, want[2], rtol=1e-5, atol=1e-6)
+    params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        if params[n].grad is not None:
+            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}: gradient of {n} after evaluation: {m}")
+    return {"eval": got}
 
 
 @pytest.mark.timeout(300)
@@ -63,3 +114,46 @@ def test_global_gradient_clipping_and_loading_a_state_dict_2_ranks():
     out = spawn(_loop, 2, (), timeout=240)
     assert out[0]["norm_2.0"] == out[1]["norm_2.0"] and out[0]["norm_inf"] == out[1]["norm_inf"]
     assert out[0]["local_norm"] != out[1]["local_norm"]  # each rank alone sees another norm
+    assert out[0]["eval"] == out[1]["eval"]
+
+
+def test_train_and_eval_modes_select_their_own_captures():
+    """A model with dropout is captured per mode: after model.eval() (pipe.eval() sets it) the chunks run without
+    dropout and the loss equals the unsplit model's in eval mode; back in train mode dropout runs again (another
+    capture, another loss).  A model without dropout shares its captures between the modes."""
+    import torch
+    import torch.nn as nn
+
+    import dipc
+    from dipc.runtime import run_local
+
+    class WithDropout(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.emb, self.l1, self.drop, self.l2 = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Dropout(p), \
+                nn.Linear(16, 50)
+
+        def forward(self, input_ids, labels):
+            h = self.drop(torch.relu(self.l1(self.emb(input_ids))))
+            return nn.functional.cross_entropy(self.l2(h).flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, 50, (4, 6)), "labels": torch.randint(0, 50, (4, 6))}
+    model = WithDropout(0.5).eval()
+    compiled = dipc.compile(model, batch, 2)
+    assert compiled.mode_dependent
+    with torch.no_grad():
+        want = model(**batch)
+    loss, _ = run_local(compiled, batch, 2)
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    model.train()
+    torch.manual_seed(1)
+    loss_train, _ = run_local(compiled, batch, 2)
+    assert len(compiled.programs) == 2 and abs(float(loss_train) - float(want)) > 1e-3
+    assert any("dropout" in str(n.target) for n in compiled.programs[1].capture.graph.nodes)
+    model.eval()
+    again, _ = run_local(compiled, batch, 2)
+    assert len(compiled.programs) == 2
+    torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
+    plain = dipc.compile(WithDropout(0.0), batch, 2)
+    assert not plain.mode_dependent

@@ -1,0 +1,177 @@
+"""Checkpoints through torch.distributed.checkpoint (issue "A citizen of any torch training loop", point 3): a
+pipeline at pp=2 saves model and AdamW state under the original names; the same ranks resume from it exactly, the
+unsplit model loads it (no process group), a pipeline at pp=4 loads it and the unsplit model's own checkpoint, and
+every resumed run's next step equals the unsplit model's (loss, parameters after the optimizer step)."""
+import pytest
+
+from dipc.launch import spawn
+
+LR = 1e-2
+# Adam divides by sqrt(v) + eps: with torch's 1e-8 an element whose gradient is ~1e-9 moves by about lr in either
+# direction on float rounding alone, so the pipeline's run and the unsplit one part by lr; 1e-3 keeps the update
+# continuous in the gradient (the round trips are compared exactly either way)
+EPS = 1e-3
+
+
+def _ref_run(n_steps):
+    """The unsplit model trained ``n_steps`` steps (AdamW) on the mixed VLM batches, and its optimizer."""
+    import torch
+
+    import pipeline_cases as pc
+    from dipc.testing import unsplit_loss
+
+    torch.manual_seed(0)
+    ref = pc.vlm(True)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    batches = pc.vlm_batches_mixed()
+    for i in range(n_steps):
+        opt.zero_grad()
+        unsplit_loss(ref, batches[1 + i]).backward()
+        opt.step()
+    return ref, opt, batches
+
+
+def _flat(model, opt):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+
+def _read_unsplit(path):
+    """An unsplit model and AdamW loaded from the checkpoint at ``path`` without a process group (DCP no_dist)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    import pipeline_cases as pc
+
+    torch.manual_seed(3)
+    model = pc.vlm(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    sd = {"model": model.state_dict(), "optim": _flat(model, opt)}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"], options=StateDictOptions(flatten_optimizer_state_dict=True))
+    return model, opt
+
+
+def _same_state(rank, model, opt, saved, saved_opt, what):
+    """``model``'s parameters (all, or a pipeline rank's) and ``opt``'s flattened state equal ``saved``'s exactly."""
+    import torch
+
+    params = dict(saved.named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), f"rank {rank}: {what}: parameter {n} differs"
+    want = _flat(saved, saved_opt)
+    got = model.optimizer_state_dict(opt) if hasattr(model, "optimizer_state_dict") else _flat(model, opt)
+    mine = [n for n, _ in model.named_parameters()]
+    expected = {k for k in want if any(k.startswith(f"state.{n}.") or k.startswith(f"param_groups.{n}.")
+                                       for n in mine)}
+    assert any(k.startswith("state.") for k in expected), what
+    assert set(got) == expected, f"rank {rank}: {what}: entries {sorted(set(got) ^ expected)[:5]} differ"
+    for k, v in got.items():
+        ok = torch.equal(v, want[k]) if isinstance(v, torch.Tensor) else v == want[k]
+        assert ok, f"rank {rank}: {what}: optimizer entry {k} differs"
+
+
+def _close_params(rank, model, ref, what):
+    """Parameters equal the unsplit run's to float rounding (2 AdamW steps apart from the gradients' rounding)."""
+    import torch
+
+    params = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, params[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: {what}: {n}: {m}")
+
+
+def _check_resumed(rank, pipe, opt, path, ref, batch, what):
+    """``pipe`` + ``opt`` hold exactly the checkpoint's state (and the unsplit run's parameters, to float rounding);
+    one more step of the pipeline and of the unsplit model loaded from the same checkpoint agrees."""
+    import torch
+
+    from dipc.testing import unsplit_loss
+
+    saved, saved_opt = _read_unsplit(path)
+    _same_state(rank, pipe, opt, saved, saved_opt, what)
+    _close_params(rank, pipe, ref, what + " (vs the unsplit run)")
+    opt.zero_grad()
+    loss = pipe.step(batch)
+    opt.step()
+    saved_opt.zero_grad()
+    want = unsplit_loss(saved, batch)
+    want.backward()
+    saved_opt.step()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: loss: {m}")
+    params = dict(saved.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {what}: {n} after the resumed step: {m}")
+
+
+def _pp2(rank, world, path):
+    import copy
+
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+
+    ref, ref_opt, batches = _ref_run(0)
+    model = copy.deepcopy(ref)
+    compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 2})
+    pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
+    for i in range(2):
+        opt.zero_grad()
+        pipe.step(batches[1 + i])
+        opt.step()
+    pipe.save_checkpoint(f"{path}/pp2", opt, extra={"step": torch.tensor(2)})
+    ref, _, _ = _ref_run(2)
+    # resume on the same ranks: other weights and a fresh optimizer, then the checkpoint
+    torch.manual_seed(9)
+    pipe.load_state_dict(pc.vlm(True).state_dict())
+    opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
+    step = torch.tensor(0)
+    pipe.load_checkpoint(f"{path}/pp2", opt, extra={"step": step})
+    assert int(step) == 2
+    _check_resumed(rank, pipe, opt, f"{path}/pp2", ref, batches[3], "pp=2 resumed")
+    with pytest.raises(KeyError, match="full state dict holds every rank"):
+        pipe.load_full_state_dict(pipe.state_dict())
+    pipe.load_full_state_dict(ref.state_dict())
+    return {}
+
+
+def _pp4(rank, world, path):
+    import copy
+
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+
+    fresh, _, batches = _ref_run(0)
+    compiled = dipc.compile(copy.deepcopy(fresh), pc.vlm_batches_4ranks()[0], world,
+                            sub_microbatch_size={"vision": 2})
+    pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    for source in ("pp2", "unsplit"):
+        pipe.load_state_dict(fresh.state_dict())
+        opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
+        pipe.load_checkpoint(f"{path}/{source}", opt)
+        ref, _, _ = _ref_run(2)
+        _check_resumed(rank, pipe, opt, f"{path}/{source}", ref, batches[3],
+                       f"pp=4 from the {source} checkpoint")
+    return {}
+
+
+@pytest.mark.timeout(400)
+def test_dcp_checkpoints_across_pp_sizes_and_the_unsplit_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    spawn(_pp2, 2, (str(tmp_path),), timeout=240)
+    # the unsplit model reads the pipeline's checkpoint without a process group: the pipeline's training to float
+    # rounding
+    ref, ref_opt, _ = _ref_run(2)
+    model, opt = _read_unsplit(str(tmp_path / "pp2"))
+    _close_params(-1, model, ref, "the unsplit model from the pp=2 checkpoint")
+    # and writes one of its own, which a pipeline at pp=4 loads (as it loads the pp=2 one)
+    dcp.save({"model": ref.state_dict(), "optim": _flat(ref, ref_opt)}, checkpoint_id=str(tmp_path / "unsplit"),
+             no_dist=True)
+    spawn(_pp4, 4, (str(tmp_path),), timeout=300)
