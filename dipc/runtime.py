@@ -134,6 +134,8 @@ class StepWorkload:
             several producers mean a concatenation along dim 0 (sub-microbatch outputs of an encoder).
         empty: forward stage key -> input name -> (shape, dtype) of a 0-instance input (no producer).
         graph: the stage graph (stages, edges with tensors).
+        amp: ``(device type, dtype name)`` of the ``torch.autocast`` the step runs under (its message dtypes are
+            the ones autocast produces, :func:`autocast_dtypes`), or None.
     """
 
     microbatches: list[Microbatch]
@@ -144,14 +146,55 @@ class StepWorkload:
     empty: dict
     graph: StageGraph
     tp_size: int = 1
+    amp: tuple[str, str] | None = None  # (device type, dtype) of the torch.autocast the step runs under
 
 
 def _fkey(c, m, s):
     return stage_key("F", c, m, s)
 
 
-def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
-    """Build the stage graph of a step (see the module docstring) for ``compiled``'s chunks.
+def autocast_state(device: torch.device) -> tuple[str, str] | None:
+    """``(device type, dtype name)`` of the ``torch.autocast`` enabled here for ``device``'s type, or None."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return kind, _dtype_name(torch.get_autocast_dtype(kind))
+
+
+def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]:
+    """Dtype of every value of ``prog``'s capture when it runs under ``torch.autocast(*amp)`` (empty for None):
+    the capture's graph interpreted once on its own fake tensors under that autocast (autocast acts on each ATen
+    op, so a chunk module running those ops under it produces the same dtypes).  Cached on the program.
+    Issue "A citizen of any torch training loop", point 4: message dtypes follow what autocast produces."""
+    if amp is None:
+        return {}
+    cache = prog.__dict__.setdefault("_dipc_autocast_dtypes", {})
+    if amp in cache:
+        return cache[amp]
+    gm = prog.capture.graph_module
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    out: dict[str, torch.dtype] = {}
+
+    class _Dtypes(torch.fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if isinstance(r, torch.Tensor):
+                out[n.name] = r.dtype
+            return r
+
+    import contextlib
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+            torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
+        _Dtypes(gm).run(*vals)
+    cache[amp] = out
+    return out
+
+
+def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str] | None = None) -> StepWorkload:
+    """Build the stage graph of a step (see the module docstring) for ``compiled``'s chunks; ``amp``: the
+    ``torch.autocast`` it runs under (:func:`autocast_state`), whose dtypes its messages carry.
 
     Raises:
         dipc.codegen.stage.CodegenError: a crossing tensor's shape cannot be evaluated.
@@ -243,13 +286,15 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
                 w[inp.name] = producers
                 if not producers:
                     meta = p.chunks[inp.src_chunk].output_meta[inp.name]
-                    empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), meta.dtype)
+                    dt = autocast_dtypes(p, amp).get(inp.name, meta.dtype)
+                    empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), dt)
     for key, w in wiring.items():
         for name, producers in w.items():
             for pk, pname in producers:
                 pst = stages[pk]
                 meta = programs[pk].chunks[pst.chunk].output_meta[pname]
-                spec = TensorSpec(pname, meta.concrete_shape(bindings[pk]), _dtype_name(meta.dtype))
+                dt = autocast_dtypes(programs[pk], amp).get(pname, meta.dtype)
+                spec = TensorSpec(pname, meta.concrete_shape(bindings[pk]), _dtype_name(dt))
                 lst = edges.setdefault((pk, key), [])
                 if spec not in lst:
                     lst.append(spec)
@@ -264,7 +309,8 @@ def build_workload(compiled, microbatches: list[Microbatch]) -> StepWorkload:
     edge_list = [Edge(src=s, dst=d, tensors=tuple(t) if stages[s].rank != stages[d].rank else ())
                  for (s, d), t in edges.items()]
     return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
-                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size)
+                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size,
+                        amp=amp)
 
 
 def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True) -> int:
@@ -355,6 +401,13 @@ def workload_digest(w: StepWorkload) -> str:
                 flat = v.reshape(-1).long().cpu()
                 h.update(f"{k}:{int((flat * (torch.arange(flat.numel()) % 7919 + 1)).sum())};".encode())
     return h.hexdigest()
+
+
+def step_digest(compiled, w: StepWorkload, forward_only: bool = False) -> str:
+    """What every rank compares before a step runs: :func:`workload_digest` (with the autocast dtypes of its
+    messages), marked for an evaluation plan and, for a model with dropout, with the model's mode."""
+    mode = ("train-mode:" if compiled.model.training else "eval-mode:") if compiled.mode_dependent else ""
+    return ("eval:" if forward_only else "") + mode + workload_digest(w)
 
 
 def _units(compiled, data) -> float:
@@ -1126,10 +1179,11 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     included, since every rank's chunks share the model's parameter objects here).  ``recompute``: the stages
     that recompute (:func:`set_recompute`); ``memory_limit``: bytes per device the plan stays under
     (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`; ``planning``: the other options of
-    :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).
+    :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).  Under ``torch.autocast("cpu", ...)`` the chunks run
+    under it and the messages carry its dtypes.
     """
     mbs = split_for(compiled, batch, n_microbatches, schedule)
-    w = build_workload(compiled, mbs)
+    w = build_workload(compiled, mbs, autocast_state(torch.device("cpu")))
     if recompute:
         set_recompute(w, recompute)
     if plan is not None:  # a plan made for another batch or microbatch count would fail deep in the executor
@@ -1584,8 +1638,8 @@ class PipelineRuntime:
                          budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
                          seed=self.seed + self.step_index)
 
-    def _workload(self, microbatches: list[Microbatch]) -> StepWorkload:
-        w = build_workload(self.compiled, microbatches)
+    def _workload(self, microbatches: list[Microbatch], amp=None) -> StepWorkload:
+        w = build_workload(self.compiled, microbatches, amp)
         if self.recompute:
             set_recompute(w, True)
         return w
@@ -1613,15 +1667,16 @@ class PipelineRuntime:
         from .wire import broadcast_json
 
         name = self.schedule if schedule is None else schedule
+        amp = autocast_state(self.device)  # the caller's torch.autocast: the chunks run under it
         local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
         w, mine = None, "(this rank could not build the step)"
         if early is not None:  # the batch or an argument was refused before this rank could split the batch
             local_err = f"{type(early).__name__}: {early}"
         else:
             try:
-                w = build_workload(self.compiled, microbatches) if forward_only else self._workload(microbatches)
-                mode = ("train-mode:" if self.training else "eval-mode:") if self.compiled.mode_dependent else ""
-                mine = ("eval:" if forward_only else "") + mode + workload_digest(w)
+                w = (build_workload(self.compiled, microbatches, amp) if forward_only
+                     else self._workload(microbatches, amp))
+                mine = step_digest(self.compiled, w, forward_only)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
         n = len(microbatches) if microbatches is not None else -1
@@ -1676,8 +1731,8 @@ class PipelineRuntime:
                         info.update(source="fallback", schedule=fb, why=why)
                         if template(fb).sub_microbatches != template(name).sub_microbatches:
                             microbatches = split_for(self.compiled, batch, n, fb)
-                            w = self._workload(microbatches)
-                            mine = workload_digest(w)
+                            w = self._workload(microbatches, amp)
+                            mine = step_digest(self.compiled, w)
                         name = fb
                 if plan is None:
                     plan = self._make(w, name, forward_only)
@@ -1714,8 +1769,8 @@ class PipelineRuntime:
                 if header["schedule"] != name:  # rank 0 fell back to another template
                     if template(header["schedule"]).sub_microbatches != template(name).sub_microbatches:
                         microbatches = split_for(self.compiled, batch, n, header["schedule"])
-                        w = self._workload(microbatches)
-                        mine = workload_digest(w)
+                        w = self._workload(microbatches, amp)
+                        mine = step_digest(self.compiled, w)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
         from .wire import _wait
@@ -2022,7 +2077,8 @@ class PipelineRuntime:
         try:  # never raises: this rank's peers already run the step
             if not isinstance(next_batch, Mapping):
                 raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
-            self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1)
+            self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1,
+                                 autocast_state(self.device))
         except Exception as e:  # noqa: BLE001 - not sendable: the next step plans synchronously
             self._planner.submitted = None
             log.warning("dipc: step %d's next batch cannot go to the background planner (%s: %s); it will be "

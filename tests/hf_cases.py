@@ -120,3 +120,6 @@ CASES = {
     "flux": ("hf_cases:flux", "hf_cases:flux_with_ids_batches", {"shared_keys": ["img_ids", "txt_ids"]}),
     "sd3": ("hf_cases:sd3", "hf_cases:sd3_batches", {}),
 }
+
+#: the cases only the full suite trains (DIPC_FULL=1): the default suite's 10 minutes hold the others
+SLOW = ("gemma3", "mllama", "sd3")

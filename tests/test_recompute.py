@@ -88,6 +88,7 @@ def _two_ranks(rank, world):
                            check_state_dict=False, runtime_kwargs={"recompute": True})["grad_err"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_recompute_on_two_ranks_with_a_tied_embedding():
     errs = spawn(_two_ranks, 2, timeout=180)

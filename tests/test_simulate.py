@@ -187,6 +187,7 @@ def test_receive_lookahead_posts_one_compute_action_early():
     assert times == {7 * 3.0}
 
 
+@pytest.mark.slow
 def test_fit_pipeline_overheads_on_two_ranks():
     """The executor calibration runs on a real 2-rank pipeline and gives a profile whose simulation of that same
     calibration step is within a factor of 2 of the measurement (a loose in-sample check: CI machines are noisy)."""

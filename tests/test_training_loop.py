@@ -1,6 +1,6 @@
 """The pipeline in an ordinary training loop (issue "A citizen of any torch training loop"), on 2 CPU ranks against
 the unsplit model: global gradient clipping (2-norm and inf-norm, tied weights counted once), loading a state
-dict of the unsplit model (a resumed run) and forward-only evaluation, in one process group."""
+dict of the unsplit model (a resumed run), forward-only evaluation and bf16 autocast, in one process group."""
 import pytest
 
 from dipc.launch import spawn
@@ -54,6 +54,7 @@ def _loop(rank, world):
     with pytest.raises(KeyError, match="missing"):
         pipe.load_state_dict({})
     out.update(_evaluation(rank, pipe, other, batches))
+    out.update(_autocast(rank, pipe, other, batches))
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         pipe.clip_grad_norm_(-1.0)
     return out
@@ -109,6 +110,54 @@ def _evaluation(rank, pipe, ref, batches):
     return {"eval": got}
 
 
+def _autocast(rank, pipe, ref, batches):
+    """Under torch.autocast("cpu", bfloat16) the chunks run autocast and the messages carry its dtypes; loss and
+    every gradient equal the unsplit model's under the same autocast to bf16 tolerance (loss rtol 2^-8; each
+    parameter's gradient within 2^-6 of its largest element, about two bf16 ulps: microbatches change the
+    accumulation order of bf16 matmuls), in two batch orders (the image-free batch first), for training and eval."""
+    import torch
+
+    from dipc.testing import unsplit_loss
+
+    params = dict(ref.named_parameters())
+    worst = 0.0
+    for i in (3, 1, 2, 4):
+        pipe.zero_grad()
+        ref.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.step(batches[i])
+            want = unsplit_loss(ref, batches[i])
+        want.backward()
+        torch.testing.assert_close(loss, want.detach().float(), rtol=2 ** -8, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: autocast loss of batch {i}: {m}")
+        for n, p in pipe.named_parameters():
+            g = params[n].grad
+            if g is None:
+                continue
+            err = float((p.grad - g).abs().max())
+            scale = float(g.abs().max())
+            assert err <= 2 ** -6 * scale + 1e-7, f"rank {rank}: batch {i}: {n}'s gradient differs by {err} " \
+                                                  f"(largest element {scale})"
+            worst = max(worst, err / max(scale, 1e-12))
+    dtypes = {t.dtype for acts in pipe.last_plan.ranks for a in acts for t in a.tensors}
+    assert "bfloat16" in dtypes, dtypes
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pipe.eval_step(batches[2])
+        with torch.no_grad():
+            want = unsplit_loss(ref, batches[2])
+    torch.testing.assert_close(got, want.float(), rtol=2 ** -8, atol=1e-5)
+    # and without autocast the next step is float32 again, exact
+    pipe.zero_grad()
+    ref.zero_grad()
+    loss = pipe.step(batches[1])
+    unsplit_loss(ref, batches[1]).backward()
+    assert {t.dtype for acts in pipe.last_plan.ranks for a in acts for t in a.tensors} == {"float32"}
+    for n, p in pipe.named_parameters():
+        if params[n].grad is not None:
+            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7)
+    return {"autocast_worst_relative_grad_error": worst}
+
+
 @pytest.mark.timeout(300)
 def test_global_gradient_clipping_and_loading_a_state_dict_2_ranks():
     out = spawn(_loop, 2, (), timeout=240)
@@ -157,3 +206,38 @@ def test_train_and_eval_modes_select_their_own_captures():
     torch.testing.assert_close(again, want, rtol=1e-6, atol=1e-6)
     plain = dipc.compile(WithDropout(0.0), batch, 2)
     assert not plain.mode_dependent
+
+
+def test_a_model_cast_to_bfloat16_as_a_whole():
+    """model.to(torch.bfloat16) compiles as it is (bf16 parameters, activations and messages); one step per batch
+    (the image-free one first) equals the unsplit bf16 model: loss exactly or to an ulp, each gradient within 2^-6
+    of its largest element."""
+    import copy
+
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.runtime import run_local
+    from dipc.testing import unsplit_loss
+
+    torch.manual_seed(0)
+    ref = pc.vlm(True).to(torch.bfloat16)
+    batches = [{k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in b.items()}
+               for b in pc.vlm_batches_mixed()]
+    model = copy.deepcopy(ref)
+    compiled = dipc.compile(model, batches[0], 2, sub_microbatch_size={"vision": 2})
+    params = dict(ref.named_parameters())
+    for i in (3, 1):
+        loss, plan = run_local(compiled, batches[i], 2)
+        want = unsplit_loss(ref, batches[i])
+        want.backward()
+        torch.testing.assert_close(loss.float(), want.detach().float(), rtol=2 ** -7, atol=1e-5)
+        assert {t.dtype for acts in plan.ranks for a in acts for t in a.tensors} >= {"bfloat16"}
+        for n, p in model.named_parameters():
+            if params[n].grad is not None:
+                assert p.grad.dtype == torch.bfloat16
+                err = float((p.grad.float() - params[n].grad.float()).abs().max())
+                assert err <= 2 ** -6 * float(params[n].grad.float().abs().max()) + 1e-7, (i, n, err)
+        model.zero_grad()
+        ref.zero_grad()

@@ -145,7 +145,8 @@ def test_owner_index_instances_are_cut_with_their_samples():
         assert seen_empty and seen_subs
 
 
-@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.timeout(SPAWN_TIMEOUT[w] + 30))
+@pytest.mark.parametrize("world", [pytest.param(w, marks=[pytest.mark.timeout(SPAWN_TIMEOUT[w] + 30)]
+                                                + ([pytest.mark.slow] if w > 2 else []))
                                    for w in (2, 3, 4)])
 def test_zoo_models_equal_the_unsplit_model(world):
     """Every zoo model trained on ``world`` ranks equals the unsplit model (without ``Instances.owner_key`` the

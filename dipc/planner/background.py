@@ -86,7 +86,7 @@ def _summary(compiled, w, plan, static_bytes) -> dict:
 
 def _serve(conn, compiled, options: dict) -> None:
     """The planning process's loop (runs after the fork; never returns)."""
-    from ..runtime import build_workload, make_plan, set_recompute, split_for, workload_digest
+    from ..runtime import build_workload, make_plan, set_recompute, split_for, step_digest
 
     code = 0
     try:
@@ -120,13 +120,14 @@ def _serve(conn, compiled, options: dict) -> None:
                 if fail:
                     raise RuntimeError("DIPC_PLANNER_FAIL is set: the planner fails on purpose")
                 mbs = split_for(compiled, batch, head["n_microbatches"], head["schedule"])
-                w = build_workload(compiled, mbs)
+                amp = tuple(head["amp"]) if head.get("amp") else None
+                w = build_workload(compiled, mbs, amp)
                 if options.get("recompute"):
                     set_recompute(w, True)
                 plan = make_plan(compiled, w, head["step"], memory_limit=options.get("memory_limit"),
                                  schedule=head["schedule"], budget_s=head["budget_s"], seed=head["seed"])
                 text = plan.to_json()
-                reply.update(digest=workload_digest(w), plan=text, schedule=head["schedule"],
+                reply.update(digest=step_digest(compiled, w), plan=text, schedule=head["schedule"],
                              n_microbatches=head["n_microbatches"])
             except Exception as e:  # the runtime falls back; the process goes on with the next batch
                 from ..compiler import NeedsCapture
@@ -240,7 +241,7 @@ class BackgroundPlanner:
         return self.pid is not None and self.exitcode is None
 
     def submit(self, step: int, batch: Mapping[str, Any], n_microbatches: int, schedule: str, budget_s: float,
-               seed: int) -> None:
+               seed: int, amp: tuple[str, str] | None = None) -> None:
         """Send step ``step``'s batch to the planning process (starting or restarting it first).  The frame is
         written by a sender thread, so the training thread does not wait for the planner to read it.
 
@@ -249,7 +250,7 @@ class BackgroundPlanner:
         """
         self.seq += 1  # a retried step (after a failure) sends its look-ahead again: only the newest counts
         frame = encode_batch({"step": step, "seq": self.seq, "n_microbatches": n_microbatches, "schedule": schedule,
-                              "budget_s": budget_s, "seed": seed}, batch)
+                              "budget_s": budget_s, "seed": seed, "amp": list(amp) if amp else None}, batch)
         if self.alive() and len(self.compiled.programs) != self.programs_at_fork:
             self._kill()  # this process captured since the fork: a new fork inherits the captures
         if not self.alive():
