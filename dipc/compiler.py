@@ -625,13 +625,19 @@ class CompiledPipeline:
         written.append(path)
         return written
 
-    def runtime(self, group=None, *, n_microbatches: int | None = None, timeout: float = 300.0,
+    def runtime(self, group=None, *, mesh=None, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
-                budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0):
+                budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
+                bucket_mb: float = 25.0):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
             group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
+            mesh: instead of ``group``, a 2-D ``torch.distributed.device_mesh.DeviceMesh`` ``[dp, pp]`` (dims named
+                "dp" and "pp", or in that order): data parallelism x pipeline parallelism.  Each data-parallel
+                replica is a pipeline of ``pp_size`` ranks with its own batch and its own planner; after each step
+                the replicas' gradients are all-reduced in buckets of ``bucket_mb`` MiB, weighted so they equal the
+                unsplit model's on the replicas' concatenated batch (see :class:`dipc.runtime.PipelineRuntime`).
             n_microbatches: microbatches per step (default ``2 * pp_size``).
             timeout: seconds any distributed wait may take before it raises.
             recompute: every stage recomputes its forward in its backward (keeps only its inputs); without it the
@@ -653,10 +659,22 @@ class CompiledPipeline:
                 ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``.
         """
         from .runtime import PipelineRuntime
+        dp_group = None
+        if mesh is not None:
+            if group is not None:
+                raise ValueError("give the pipeline's group or a [dp, pp] mesh, not both")
+            names = tuple(mesh.mesh_dim_names or ())
+            if mesh.ndim != 2:
+                raise ValueError(f"mesh must be 2-D [dp, pp], got {mesh.ndim} dims {names}")
+            dp_dim, pp_dim = (names.index("dp"), names.index("pp")) if {"dp", "pp"} <= set(names) else (0, 1)
+            if mesh.size(pp_dim) != self.pp_size:
+                raise ValueError(f"the mesh's pp dim has {mesh.size(pp_dim)} ranks but the pipeline was compiled for "
+                                 f"pp_size={self.pp_size}")
+            group, dp_group = mesh.get_group(pp_dim), mesh.get_group(dp_dim)
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
-                               plan_wait_s=plan_wait_s)
+                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb)
 
 
 def _mode_dependent(model: torch.nn.Module) -> bool:

@@ -114,37 +114,3 @@ def test_bad_batch_raises_on_every_rank_before_communication():
         assert "batch['pixel_values'] holds 1 vision instance(s) but 'input_ids' has 12 placeholder tokens" in m[0]
         assert "missing key(s) ['labels']" in m[1]
         assert "step 0: the ranks disagree on the step" in m[2] and "different batches" in m[2]
-
-
-def _dp_pp_accumulate(rank, world):
-    """Two 2-rank pipelines in a 4-rank world (data parallel x pipeline parallel), tied embedding, and gradients
-    accumulated over two steps without zero_grad: each must equal two backward passes of the unsplit model."""
-    import copy
-    import torch
-    import torch.distributed as dist
-    import dipc
-    import pipeline_cases as pc
-    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    torch.manual_seed(0)
-    model = pc.vlm(True)
-    ref = copy.deepcopy(model)
-    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2})
-    pipe = compiled.runtime(groups[rank // 2], n_microbatches=2, timeout=60)
-    batches = [pc.vlm_batch([1, 0, 2, 0], 16, 10 + rank // 2), pc.vlm_batch([0, 3, 0, 1], 14, 20 + rank // 2)]
-    for b in batches:
-        loss = pipe.step(b)
-        ref_loss = ref(**b)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
-    rp = dict(ref.named_parameters(remove_duplicate=False))
-    worst = 0.0
-    for name, p in pipe.named_parameters():
-        torch.testing.assert_close(p.grad, rp[name].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        worst = max(worst, float((p.grad - rp[name].grad).abs().max()))
-    return worst
-
-
-@pytest.mark.timeout(200)
-def test_dp_by_pp_subgroups_tied_weights_and_gradient_accumulation():
-    errs = spawn(_dp_pp_accumulate, 4, timeout=180)
-    assert max(errs) < 1e-6

@@ -1,0 +1,1140 @@
+"""PipelineRuntime: one rank's view of a compiled pipeline in a training loop - plan delivery and checks, the
+executor, failure propagation, evaluation, checkpoints, data parallelism - and its step report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+import logging
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..batch import Microbatch
+from ..plan import Plan, PlanError, validate
+
+from .transport import _DistTransport, TransportError
+from .workload import StepWorkload, autocast_state, build_workload, set_recompute, step_digest, split_for
+from .planning import check_memory_limit, make_plan
+from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
+
+
+log = logging.getLogger("dipc")
+
+
+# ---------------------------------------------------------------------------------------------------- runtime
+class PipelineRuntime:
+    """One rank's view of a compiled pipeline: its chunk modules, the planner and the executor.
+
+    Use ``pipe.parameters()`` for the optimizer and ``loss = pipe.step(batch)`` per training step; the loss is the
+    whole batch's (same value on every rank) and the gradients are in this rank's parameters' ``.grad``.
+
+    Raises (constructor):
+        RuntimeError: torch.distributed is not initialised or the group size is not ``pp_size``.
+    """
+
+    def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
+                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
+                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
+                 dp_group=None, bucket_mb: float = 25.0):
+        from ..codegen.templates import template
+
+        template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
+        template(fallback_schedule)
+        if isinstance(plan_wait_s, bool) or not isinstance(plan_wait_s, (int, float)) or \
+                not 0 <= plan_wait_s < math.inf:
+            raise ValueError(f"plan_wait_s must be a finite number of seconds >= 0, got {plan_wait_s!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if n_microbatches is not None and (isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int)
+                                           or n_microbatches < 1):
+            raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
+        self.fallback_schedule, self.plan_wait_s = fallback_schedule, float(plan_wait_s)
+        memory_limit = check_memory_limit(memory_limit)
+        if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf:
+            raise ValueError(f"budget_s must be a finite number of seconds >= 0, got {budget_s!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        self.budget_s, self.seed = float(budget_s), seed
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("dipc runtime needs an initialised process group: call "
+                               "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
+                               "environment it reads, dipc.launch.spawn also initialises it. Compiling and inspecting "
+                               "need no process group")
+        self.compiled = compiled
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if self.world != compiled.pp_size:
+            raise RuntimeError(f"the process group has {self.world} ranks but the pipeline was compiled for "
+                               f"pp_size={compiled.pp_size}")
+        self.n_microbatches = 2 * compiled.pp_size if n_microbatches is None else n_microbatches
+        self.timeout = timeout
+        self.recompute = recompute
+        self.memory_limit = memory_limit
+        self.schedule = schedule
+        self.transport = _DistTransport(group, timeout)
+        # NCCL moves CUDA tensors: receive buffers and batches go to this process's current CUDA device
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                       else torch.device("cpu"))
+        self.step_index = 0
+        self.last_plan: Plan | None = None
+        self.last_timeline: list = []
+        self.last_timing: dict = {}
+        self.last_report: StepReport | None = None
+        self.fallbacks = 0  # steps whose background plan missed its deadline, failed or died (DIP §2.2)
+        self._broken = ""  # where the process group broke (a StepFailed with usable=False)
+        self._planner = None  # rank 0's BackgroundPlanner, started by the first step given a next batch
+        self._plan_info: dict = {}
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
+            raise ValueError(f"bucket_mb must be a number of MiB > 0, got {bucket_mb!r}")
+        self.dp_group, self.bucket_bytes = dp_group, int(bucket_mb * 2 ** 20)
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._setup_params()
+        if self.dp_size > 1:
+            self._dp_broadcast_state()
+
+    # -- parameters
+    def _setup_params(self):
+        comp = self.compiled
+        names_by_id: dict[int, list[str]] = defaultdict(list)
+        for n, p in comp.model.named_parameters(remove_duplicate=False):
+            names_by_id[id(p)].append(n)
+        self._param_obj = {id(p): p for p in comp.model.parameters()}
+        ranks_by_id: dict[int, set] = defaultdict(set)
+        for c in comp.partition.chunks:
+            for n in comp.chunk_params(c.index):
+                ranks_by_id[id(comp._state[n])].add(c.rank)
+        for pid in self._param_obj:  # parameters the loss does not reach live on rank 0 (kept for state_dict)
+            if not ranks_by_id[pid]:
+                ranks_by_id[pid].add(0)
+        self._names_by_id = names_by_id
+        self._ranks_by_id = ranks_by_id
+        self.local_param_ids = [pid for pid in self._param_obj if self.rank in ranks_by_id[pid]]
+        self._tied: list[tuple[list[int], object]] = []
+        groups = {}
+        for pid in self._param_obj:  # same order on every rank (model order)
+            rs = tuple(sorted(ranks_by_id[pid]))
+            if len(rs) > 1 and rs not in groups:
+                # only the member ranks create it, so pipelines inside a larger world (DP x PP) do not wait on
+                # each other
+                groups[rs] = dist.new_group([dist.get_global_rank(self.group, r) if self.group else r for r in rs],
+                                            use_local_synchronization=True)
+        self._tied = [(pid, groups[tuple(sorted(ranks_by_id[pid]))]) for pid in self.local_param_ids
+                      if len(ranks_by_id[pid]) > 1]
+        buf_ids = set()
+        for c in comp.partition.chunks:
+            if c.rank == self.rank and c.index in comp.program.chunks:
+                for n in comp.program.chunks[c.index].state_names:
+                    buf_ids.add(n)
+        self._local_state_names = buf_ids
+
+    def parameters(self):
+        """This rank's parameters (each once), for the optimizer."""
+        return [self._param_obj[pid] for pid in self.local_param_ids]
+
+    def named_parameters(self):
+        """``(original fully qualified name, parameter)`` for this rank's parameters."""
+        return [(self._names_by_id[pid][0], self._param_obj[pid]) for pid in self.local_param_ids]
+
+    @property
+    def training(self) -> bool:
+        """The model's mode (``nn.Module.training``)."""
+        return self.compiled.model.training
+
+    def train(self, mode: bool = True) -> "PipelineRuntime":
+        """Set the model's mode, as ``nn.Module.train``: the chunks of later steps run the graphs captured in that
+        mode (a model with dropout, :attr:`dipc.compiler.CompiledPipeline.mode_dependent`, is captured once per
+        mode and shape on first use; others run the same graphs in both).  Whether a step runs backward follows
+        the grad mode or the call (:meth:`eval_step`), not this.  Call it on every rank alike (a rank in the
+        other mode traces another graph: the plan check raises on every rank).  Returns this runtime."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"train(mode): mode must be a bool, got {mode!r}")
+        self.compiled.model.train(mode)
+        return self
+
+    def eval(self) -> "PipelineRuntime":
+        """``train(False)``."""
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear this rank's parameters' gradients (as ``torch.nn.Module.zero_grad``)."""
+        for p in self.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+                        ) -> torch.Tensor:
+        """Clip the whole pipeline's gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_`` does on
+        the unsplit model (a collective: call it on every rank, after ``step``).
+
+        Each rank adds its parameters' ``|g|^p`` (a tied weight, whose gradient every holding rank has after the
+        step, is counted once, by its lowest rank; ``norm_type=inf``: the largest ``|g|``), one all-reduce gives the
+        global norm, and every rank scales its gradients by the same ``min(1, max_norm / (norm + 1e-6))``.  Calling
+        ``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` instead clips each rank by its own part's norm:
+        the ranks then clip by different factors and training differs from the unsplit model.
+
+        Returns:
+            the global gradient norm (0-dim float32 tensor), the same on every rank.
+
+        Raises:
+            ValueError: ``max_norm`` is not a number >= 0, or ``norm_type`` not a number > 0.
+            RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank, before any
+                gradient changes).
+        """
+        from ..wire import _wait
+
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+            raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
+        if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+            raise ValueError(f"norm_type must be a number > 0 (or math.inf), got {norm_type!r}")
+        p_ = float(norm_type)
+        counted = [self._param_obj[pid].grad for pid in self.local_param_ids
+                   if self._param_obj[pid].grad is not None and min(self._ranks_by_id[pid]) == self.rank]
+        if p_ == math.inf:
+            local = max((g.detach().abs().max().to(torch.float64) for g in counted if g.numel()),
+                        default=torch.zeros((), dtype=torch.float64))
+            op = dist.ReduceOp.MAX
+        else:
+            local = sum((torch.linalg.vector_norm(g.detach().to(torch.float64), p_) ** p_ for g in counted),
+                        torch.zeros((), dtype=torch.float64))
+            op = dist.ReduceOp.SUM
+        total = local.reshape(1).to(self.device)
+        _wait(dist.all_reduce(total, op=op, group=self.group, async_op=True), self.timeout,
+              "every rank's gradient norm")
+        norm = (total[0] if p_ == math.inf else total[0] ** (1.0 / p_)).to(torch.float32).cpu()
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of order {norm_type} of the pipeline's gradients is {float(norm)}: "
+                               "non-finite, so clip_grad_norm_ cannot clip them (error_if_nonfinite=True)")
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        return norm
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load this rank's parameters and buffers from ``state_dict`` under the original names (e.g. a full
+        checkpoint of the unsplit model, or :meth:`state_dict` of this rank); entries of other ranks are ignored.
+        Copies in place (the optimizer keeps its parameter objects).
+
+        Raises:
+            KeyError: ``strict`` and one of this rank's entries is missing (all of them named), or a name is not the
+                model's.
+            ValueError: an entry's shape differs from the model's (named), before anything is copied.
+        """
+        mine = self.state_dict_names()
+        known = set(self.compiled.model.state_dict(keep_vars=True))
+        unknown = sorted(set(state_dict) - known)
+        missing = sorted(n for n in mine if n not in state_dict)
+        if strict and (unknown or missing):
+            raise KeyError(f"load_state_dict(strict=True): missing {missing[:10]}{'...' if len(missing) > 10 else ''}"
+                           f", unexpected {unknown[:10]}{'...' if len(unknown) > 10 else ''}")
+        targets = dict(self.compiled.model.state_dict(keep_vars=True))
+        for n, t in mine.items():
+            if n in state_dict and tuple(state_dict[n].shape) != tuple(t.shape):
+                raise ValueError(f"{n}: the state dict holds shape {tuple(state_dict[n].shape)}, the model "
+                                 f"{tuple(t.shape)}")
+        with torch.no_grad():
+            for n in mine:
+                if n in state_dict:
+                    targets[n].copy_(state_dict[n].to(targets[n].device, targets[n].dtype))
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load this rank's part of a full state dict (:meth:`full_state_dict`, or the unsplit model's
+        ``state_dict()``) that must hold every entry of the model, not only this rank's.
+
+        Raises:
+            KeyError: an entry of the model is missing or a name is not the model's (named).
+            ValueError: an entry's shape differs from the model's (named), before anything is copied.
+        """
+        want = set(self.compiled.model.state_dict(keep_vars=True))
+        missing, unknown = sorted(want - set(state_dict)), sorted(set(state_dict) - want)
+        if missing or unknown:
+            raise KeyError(f"load_full_state_dict: the state dict misses {missing[:10]}"
+                           f"{'...' if len(missing) > 10 else ''} and has unexpected {unknown[:10]}"
+                           f"{'...' if len(unknown) > 10 else ''} (a full state dict holds every rank's entries)")
+        self.load_state_dict(state_dict, strict=True)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state (an optimizer over :meth:`parameters`) keyed by the original parameter names, in
+        torch.distributed.checkpoint's flattened form (``state.<name>.exp_avg``, ``param_groups.<name>.lr``):
+        ``get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))``
+        on the whole model, so the unsplit model's optimizer and one at any pp size read it alike (a tied weight's
+        ranks hold the same state under the same name).
+
+        Raises:
+            ValueError: ``optimizer`` holds a parameter that is not this rank's.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self._check_optimizer(optimizer)
+        return get_optimizer_state_dict(self.compiled.model, optimizer,
+                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
+        """Load :meth:`optimizer_state_dict`'s form (this rank's names, or a superset) into ``optimizer``.
+
+        Raises:
+            ValueError: ``optimizer`` holds a parameter that is not this rank's.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        self._check_optimizer(optimizer)
+        set_optimizer_state_dict(self.compiled.model, optimizer, dict(state_dict),
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def _check_optimizer(self, optimizer) -> None:
+        mine = {id(p) for p in self.parameters()}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in mine:
+                    raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not one of "
+                                     f"rank {self.rank}'s (build it from pipe.parameters())")
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer | None = None) -> dict:
+        """What :meth:`save_checkpoint` writes: ``{"model": this rank's state dict entries (the tensors, no copy),
+        "optim": optimizer_state_dict(optimizer)}`` ("optim" only with an optimizer)."""
+        out = {"model": self.state_dict_names()}
+        if optimizer is not None:
+            out["optim"] = self.optimizer_state_dict(optimizer)
+        return out
+
+    def save_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping | None = None) -> None:
+        """Write a torch.distributed.checkpoint (DCP) checkpoint of the model (and ``optimizer``) under the
+        original names: every rank writes its own entries, a tied weight once (a collective over the pipeline's
+        ranks).  The keys are ``model.<name>`` and ``optim.state.<name>.<field>`` / ``optim.param_groups.<name>.<key>``,
+        so an unsplit model loads it with ``sd = {"model": model.state_dict()}; dcp.load(sd, checkpoint_id=path,
+        no_dist=True); model.load_state_dict(sd["model"])`` (its optimizer likewise, through
+        ``get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))``),
+        and a pipeline of any pp size with :meth:`load_checkpoint`.
+
+        Args:
+            checkpoint_id: the checkpoint's directory (as ``torch.distributed.checkpoint.save``).
+            optimizer: this rank's optimizer, or None.
+            extra: more entries under their own keys (e.g. ``{"step": torch.tensor(step)}``, a scheduler's
+                ``state_dict()``): the same on every rank.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        sd = self.checkpoint_state(optimizer)
+        if extra:
+            if set(extra) & set(sd):
+                raise ValueError(f"extra may not use the keys {sorted(set(extra) & set(sd))}")
+            sd.update(extra)
+        if self.dp_size == 1 or dist.get_rank(self.dp_group) == 0:  # data parallel: the first replica writes it
+            dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        if self.dp_size > 1:  # and the others return once it is written
+            from ..wire import _wait
+
+            _wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.dp_group, async_op=True),
+                  self.timeout, "the data-parallel replicas after writing a checkpoint")
+
+    def load_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
+                        extra: Mapping | None = None) -> None:
+        """Load a DCP checkpoint written by :meth:`save_checkpoint` at any pp size, or by the unsplit model under
+        ``{"model": model.state_dict(), "optim": ...}``: this rank reads its own entries (and ``optimizer``'s
+        state); ``extra``'s tensors are loaded in place as ``dcp.load`` does.  Round trips are exact.
+
+        Raises:
+            RuntimeError (from DCP): an entry this rank needs is not in the checkpoint, or its shape differs.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
+        if optimizer is not None:
+            # a fresh optimizer has no state tensors to load into: torch initialises them (a step at lr 0), but only
+            # when no parameter has a .grad, so the gradients step aside meanwhile
+            grads = [(p, p.grad) for p in self.parameters()]
+            if not optimizer.state:
+                for p, _ in grads:
+                    p.grad = None
+            try:
+                sd["optim"] = self.optimizer_state_dict(optimizer)
+            finally:
+                for p, g in grads:
+                    p.grad = g
+        if extra:
+            sd.update(extra)
+        dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        self.load_state_dict(sd["model"], strict=False)
+        if optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, sd["optim"])
+
+    def state_dict_names(self) -> dict[str, torch.Tensor]:
+        """This rank's entries of the state dict, name -> the model's tensor (no copy)."""
+        out = {}
+        for pid in self.local_param_ids:
+            for n in self._names_by_id[pid]:
+                out[n] = self._param_obj[pid]
+        persistent = set(self.compiled.model.state_dict(keep_vars=True))
+        for n, b in self.compiled.model.named_buffers(remove_duplicate=False):
+            if n in persistent and (n in self._local_state_names or self.rank == 0):
+                out[n] = b
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and persistent buffers under every original name (tied weights under each alias);
+        buffers no chunk reads are kept by rank 0.  Copies (:meth:`state_dict_names` gives the tensors)."""
+        return {n: t.detach().clone() for n, t in self.state_dict_names().items()}
+
+    def _owners(self) -> list[tuple[int, str, torch.Tensor]]:
+        """``(owner rank, name, tensor)`` for every entry of the full state dict, in model order: a parameter's
+        lowest holding rank, a buffer's lowest reading rank (rank 0 for buffers no chunk reads)."""
+        comp = self.compiled
+        readers: dict[str, set] = defaultdict(set)
+        for c in comp.partition.chunks:
+            if c.index in comp.program.chunks:
+                for n in comp.program.chunks[c.index].state_names:
+                    readers[n].add(c.rank)
+        out = []
+        for pid, p in self._param_obj.items():
+            for n in self._names_by_id[pid]:
+                out.append((min(self._ranks_by_id[pid]), n, p))
+        persistent = set(comp.model.state_dict(keep_vars=True))
+        for n, b in comp.model.named_buffers(remove_duplicate=False):
+            if n in persistent:
+                out.append((min(readers[n]) if readers.get(n) else 0, n, b))
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict gathered from all ranks, under the original names (a collective).
+
+        Each rank broadcasts the bytes of the tensors it owns as one buffer; every rank knows their names, dtypes and
+        shapes from its copy of the model, so nothing but tensor bytes travels (no pickle).
+
+        Raises:
+            dipc.wire.WireTimeout: a rank's tensors did not arrive within the runtime's timeout.
+        """
+        from ..wire import _wait
+
+        owned: dict[int, list] = defaultdict(list)
+        for r, n, t in self._owners():
+            owned[r].append((n, t))
+        out: dict[str, torch.Tensor] = {}
+        for r in range(self.world):
+            items = owned.get(r, [])
+            sizes = [t.numel() * t.element_size() for _, t in items]
+            total = sum(sizes)
+            if not total:
+                for n, t in items:
+                    out[n] = t.detach().clone()
+                continue
+            if r == self.rank:
+                buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
+                                 for _, t in items if t.numel()])
+            else:
+                buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            src = dist.get_global_rank(self.group, r) if self.group is not None else r
+            _wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), self.timeout,
+                  f"rank {r}'s {len(items)} state tensors ({total} bytes)")
+            off = 0
+            for (n, t), size in zip(items, sizes):
+                piece = buf[off:off + size].clone()
+                out[n] = piece.view(t.dtype).reshape(t.shape).to(t.device) if size else t.detach().clone()
+                off += size
+        return out
+
+    # -- step
+    def trace_events(self) -> list[dict]:
+        """Every rank's measured actions of the last step, as trace events for :mod:`dipc.trace` (a collective:
+        call it on every rank; JSON on the wire).  Times are seconds from each rank's start of execution (after
+        plan delivery)."""
+        from ..wire import all_gather_json
+
+        mod_of = {c.index: c.modality for c in self.compiled.partition.chunks}
+        mine = []
+        for a, s, e, _ in self.last_timeline:
+            mine.append({"rank": self.rank, "start": s, "end": e, "name": str(a), "kind": a.kind,
+                         "modality": mod_of.get(a.chunk, "")})
+        parts = all_gather_json(mine, self.group, self.device, self.timeout, what="trace events")
+        return [e for p in parts for e in p]
+
+    def _make(self, w: StepWorkload, schedule: str, forward_only: bool = False) -> Plan:
+        from ..codegen.templates import template
+
+        if forward_only:  # evaluation: the template's order without its backwards (no memory to plan for)
+            from ..plan import forward_only as drop_backwards
+
+            plan = drop_backwards(make_plan(self.compiled, w, self.step_index, schedule=schedule, check=False))
+            validate(plan)
+            plan._validated = plan.digest()
+            return plan
+        return make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
+                         budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
+                         seed=self.seed + self.step_index)
+
+    def _workload(self, microbatches: list[Microbatch], amp=None) -> StepWorkload:
+        w = build_workload(self.compiled, microbatches, amp)
+        if self.recompute:
+            set_recompute(w, True)
+        return w
+
+    def plan_step(self, microbatches: list[Microbatch] | None, schedule: str | None = None,
+                  batch: Mapping[str, torch.Tensor] | None = None, given: Plan | None = None,
+                  early: BaseException | None = None, forward_only: bool = False) -> tuple[StepWorkload, Plan]:
+        """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
+        checks step and digest on every rank.
+
+        ``microbatches`` must be split as ``schedule`` (default the runtime's) needs (:func:`split_for`); ``batch``
+        (the step's batch) lets a rank re-split it when rank 0 falls back to a template that splits otherwise.  Rank
+        0 sends a JSON header (step, schedule, workload digest, the plan's JSON and digest, where the plan came from)
+        by :func:`dipc.wire.broadcast_json`: no pickle, and the runtime's timeout.
+
+        ``forward_only``: an evaluation plan (:func:`dipc.plan.forward_only`, :meth:`eval_step`); the digest every
+        rank checks says so, so a rank evaluating while another trains raises on every rank.
+
+        Raises:
+            PlanError: rank 0 could not plan the step (on every rank), the ranks disagree on the step's batch or
+                microbatch count, or the plan arrived for another step.
+            dipc.wire.WireTimeout: the plan did not arrive within the runtime's timeout.
+        """
+        from ..codegen.templates import template
+        from ..wire import broadcast_json
+
+        name = self.schedule if schedule is None else schedule
+        amp = autocast_state(self.device)  # the caller's torch.autocast: the chunks run under it
+        local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
+        w, mine = None, "(this rank could not build the step)"
+        if early is not None:  # the batch or an argument was refused before this rank could split the batch
+            local_err = f"{type(early).__name__}: {early}"
+        else:
+            try:
+                w = (build_workload(self.compiled, microbatches, amp) if forward_only
+                     else self._workload(microbatches, amp))
+                mine = step_digest(self.compiled, w, forward_only)
+            except Exception as e:  # noqa: BLE001
+                local_err = f"{type(e).__name__}: {e}"
+        n = len(microbatches) if microbatches is not None else -1
+        info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None,
+                                "why": ""}
+        header = None
+        if self.rank == 0:
+            try:
+                if local_err is not None:
+                    raise PlanError(f"building the step failed: {local_err}") if early is None else early
+                plan = None
+                if given is not None:  # made beforehand: checked against this step's stages, then validated
+                    have = {a.stage for _, a in given.compute_actions()}
+                    if have != set(w.graph.stages):
+                        missing, extra = sorted(set(w.graph.stages) - have)[:3], sorted(have - set(w.graph.stages))[:3]
+                        raise PlanError(f"the given plan is not for this batch split into {n} microbatches: its "
+                                        f"stages miss {missing} and have {extra} this step does not")
+                    if getattr(given, "_validated", None) != given.digest():  # validated, and not changed since
+                        validate(given)
+                    plan = dataclasses.replace(given, step=self.step_index)
+                    info["source"] = "given"
+                elif self._planner is not None and self._planner.submitted == self.step_index and not forward_only:
+                    reply, why = self._planner.take(self.step_index, self.plan_wait_s)
+                    if reply is not None and (reply.get("schedule"), reply.get("n_microbatches")) != (name, n):
+                        reply, why = None, (f"the look-ahead was planned with schedule {reply.get('schedule')!r} "
+                                            f"and {reply.get('n_microbatches')} microbatches, this step asks for "
+                                            f"{name!r} and {n}")
+                    elif reply is not None and reply["digest"] != mine:
+                        reply, why = None, ("the batch given as next_batch is not the one this step got (its "
+                                            "digest differs)")
+                    if reply is not None:
+                        plan = Plan.from_json(reply["plan"])
+                        info.update(source="async", planner_s=reply["seconds"], planner_cpu_s=reply["cpu_seconds"])
+                    elif "needs a capture" in why:  # this process captures it now (it must, to run the step)
+                        log.info("dipc: step %d: %s; planning it now", self.step_index, why)
+                        info["why"] = why
+                    elif "look-ahead" in why or "next_batch" in why:  # the user's look-ahead was wrong: plan it now
+                        log.warning("dipc: step %d: %s; planning it now", self.step_index, why)
+                        info["why"] = why
+                    elif "failed" in why:  # the planner raised: plan this batch now; the template only if that fails
+                        try:
+                            plan = self._make(w, name)
+                            log.warning("dipc: step %d: %s; planned it now", self.step_index, why)
+                            info["why"] = why
+                        except Exception as e:  # noqa: BLE001
+                            why = f"{why}; planning it now failed too ({type(e).__name__}: {e})"
+                    if plan is None and reply is None and not info["why"]:
+                        # late, died, or failed here too: the fallback template, planned now (DIP §2.2)
+                        fb = self.fallback_schedule
+                        log.warning("dipc: step %d: %s; running the %r template instead (%d fallbacks so far)",
+                                    self.step_index, why, fb, self.fallbacks + 1)
+                        info.update(source="fallback", schedule=fb, why=why)
+                        if template(fb).sub_microbatches != template(name).sub_microbatches:
+                            microbatches = split_for(self.compiled, batch, n, fb)
+                            w = self._workload(microbatches, amp)
+                            mine = step_digest(self.compiled, w)
+                        name = fb
+                if plan is None:
+                    plan = self._make(w, name, forward_only)
+                text = reply["plan"] if info["source"] == "async" else plan.to_json()
+                text_digest = Plan.text_digest(text)
+                if info["source"] == "async":
+                    plan._validated = text_digest
+                header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
+                          "plan": text, "plan_digest": text_digest, "source": info["source"],
+                          "why": info["why"]}
+            except Exception as e:  # every rank raises it, instead of waiting for a plan
+                header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
+        src = 0
+        header = broadcast_json(header, src, self.group, self.device, self.timeout,
+                                what=f"the plan of step {self.step_index}")
+        step, theirs = header["step"], header["digest"]
+        if "error" in header:
+            if self.rank == 0 and early is not None:
+                raise early  # rank 0's own bad input keeps its type (BatchError, ValueError)
+            if early is not None and header["error"] == f"{type(early).__name__}: {early}":
+                raise early  # every rank refused the batch alike
+            raise PlanError(f"step {step}: rank 0 could not plan it: {header['error']}")
+        if header.get("source") != "fallback" and header.get("schedule") != name and local_err is None:
+            local_err = (f"PlanError: this rank asked for schedule {name!r}, rank 0 for {header.get('schedule')!r} "
+                         "(every rank must step with the same schedule)")
+        if self.rank != 0 and local_err is None:
+            try:
+                got = Plan.text_digest(header["plan"])
+                if got != header["plan_digest"]:
+                    raise PlanError(f"the plan arrived damaged (digest {got[:12]}, rank 0 sent "
+                                    f"{header['plan_digest'][:12]})")
+                plan = Plan.from_json(header["plan"])
+                info.update(source=header["source"], schedule=header["schedule"], why=header.get("why", ""))
+                if header["schedule"] != name:  # rank 0 fell back to another template
+                    if template(header["schedule"]).sub_microbatches != template(name).sub_microbatches:
+                        microbatches = split_for(self.compiled, batch, n, header["schedule"])
+                        w = self._workload(microbatches, amp)
+                        mine = step_digest(self.compiled, w)
+            except Exception as e:  # noqa: BLE001
+                local_err = f"{type(e).__name__}: {e}"
+        from ..wire import _wait
+
+        # one all-reduce tells every rank whether all built the step, agree on its index and on its digest
+        same = torch.tensor([1 if mine == theirs else 0, self.step_index, -self.step_index,
+                             0 if local_err else 1], dtype=torch.int64, device=self.device)
+        _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+              f"every rank's check of step {self.step_index}'s plan")
+        if int(same[3].item()) == 0:  # some rank failed alone: the lowest one tells every rank what happened
+            bits = torch.tensor([float(2 ** self.rank) if local_err else 0.0], dtype=torch.float64,
+                                device=self.device)
+            _wait(dist.all_reduce(bits, group=self.group, async_op=True), self.timeout,
+                  f"every rank's failure flags of step {self.step_index}")
+            b = int(bits.item())
+            origin = (b & -b).bit_length() - 1
+            text = broadcast_json(local_err if self.rank == origin else None, origin, self.group, self.device,
+                                  self.timeout, what=f"rank {origin}'s failure of step {self.step_index}")
+            if early is not None and text == local_err:
+                raise early  # this rank's own bad input, or the same as the first failing rank's
+            raise PlanError(f"step {self.step_index}: rank {origin} could not build the step: {text} (every rank "
+                            "stopped before any activation moved)")
+        if header.get("source") == "fallback":  # counted on every rank, after every rank has the plan
+            self.fallbacks += 1
+        lo, hi = int(same[1].item()), -int(same[2].item())
+        if lo != hi:  # every rank raises, before any activation moves
+            raise PlanError(f"the ranks are at different steps (from step {lo} to step {hi}; this rank, rank "
+                            f"{self.rank}, is at step {self.step_index}): every rank must call step() for every "
+                            "batch (a rank that skipped or repeated a step leaves the pipeline out of step)")
+        if int(same[0].item()) == 0:
+            who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
+                   "another rank's digest differs from this one's")
+            if header.get("n_microbatches", n) != n:
+                who += f"; rank 0 split the batch into {header['n_microbatches']} microbatches, this rank into {n}"
+            raise PlanError(
+                f"step {self.step_index}: the ranks disagree on the step ({who}; the digest covers the stage graph "
+                "and the batch's integer tensors). Either they were given different batches (every rank of a "
+                "pipeline must get the same batch), or they traced the model differently: a forward that iterates "
+                "a Python set of strings (Hugging Face Gemma3: set(config.layer_types)) follows the hash seed, so "
+                "start every rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: "
+                "PYTHONHASHSEED=0 torchrun ...)")
+        self._plan_info = info
+        w.microbatches = microbatches
+        return w, plan
+
+    def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
+             schedule: str | None = None, next_batch: Mapping[str, torch.Tensor] | None = None,
+             plan: Plan | None = None) -> torch.Tensor:
+        """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
+
+        Args:
+            batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
+                ``labels [B, S]``).  A batch yielded by :func:`prefetch` brings its successor as ``next_batch``.
+            n_microbatches: overrides the runtime's microbatch count for this step.
+            schedule: overrides the runtime's schedule template for this step (:func:`dipc.schedules`).
+            next_batch: the batch of the next step (same keys; best on the CPU): rank 0's background planner makes
+                its plan while this step runs (DIP §2.2 asynchronous planning), with this step's microbatch count
+                and schedule.  At the next step a plan that is not ready ``plan_wait_s`` seconds after the step
+                began, failed, or whose planner died is replaced by ``fallback_schedule``'s plan made then (a
+                warning on the ``dipc`` logger; counted in :attr:`fallbacks` and the step report); a ``next_batch``
+                that is not the batch the next step gets is planned again then.  Other ranks ignore it.
+            plan: a plan made beforehand for this batch split this way (e.g. by :func:`dipc.simulate` or
+                :func:`dipc.runtime.make_plan`; rank 0's is used, checked against the step's stages, validated
+                unless the background planner made it); the report's ``plan_source`` is then "given".
+
+        Returns:
+            the batch loss (0-dim float tensor), identical on every rank.  :attr:`last_report` describes the step
+            (:class:`StepReport`).
+
+        Raises:
+            dipc.batch.BatchError: the batch is invalid (raised on every rank before any communication).
+            ValueError: unknown ``schedule``, or a bad ``n_microbatches`` (on every rank, before any communication).
+            dipc.plan.PlanError: plan delivery or execution is inconsistent.
+            RuntimeError: a distributed wait exceeded the timeout.
+        """
+        if not torch.is_grad_enabled():  # under torch.no_grad() / inference_mode(): the forward-only plan
+            if next_batch is not None or plan is not None:
+                raise ValueError("pipe.step under torch.no_grad() runs the forward-only evaluation plan "
+                                 "(pipe.eval_step), which takes no next_batch or plan")
+            return self.eval_step(batch, n_microbatches, schedule)
+        if self.dp_size == 1:
+            return self._step(batch, n_microbatches, schedule, next_batch, plan)
+        return self._dp_guard(lambda: self._step(batch, n_microbatches, schedule, next_batch, plan))
+
+    def _step(self, batch, n_microbatches, schedule, next_batch, plan) -> torch.Tensor:
+        t0 = time.perf_counter()
+        if next_batch is None:
+            next_batch = getattr(batch, "next_batch", None)
+        schedule = self.schedule if schedule is None else schedule
+        batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
+        w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early)
+        mbs = w.microbatches
+        info = self._plan_info
+        if self.rank == 0 and next_batch is not None:  # planned while this step runs
+            self._submit(next_batch, n, schedule)
+        t1 = time.perf_counter()
+        # this step's gradients accumulate into fresh .grad tensors; those of earlier steps (accumulation over steps)
+        # are added back once the step succeeded, and restored untouched when it raises (nothing half-accumulated)
+        stash = [(p, p.grad) for p in self.parameters()]
+        for p, _ in stash:
+            p.grad = None
+        try:
+            ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+                          yield_after_post=dist.get_backend(self.group) == "gloo")
+            failure = None
+            try:
+                ex.run()
+                ex.finish()
+            except BaseException as e:  # drained (Executor.run): every rank now learns of it in the status exchange
+                failure = e
+            local = torch.zeros((), dtype=torch.float64)
+            if failure is None:
+                local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()), local)
+            try:
+                loss = self._exchange_status(ex, failure, local).to(torch.float32)
+            except StepFailed as e:
+                if not e.usable:
+                    self._broken = f"step {self.step_index} ({e})"
+                if failure is not None and not isinstance(failure, Exception):
+                    raise failure from None  # KeyboardInterrupt, SystemExit: the peers got StepFailed, this rank
+                raise                        # gets what it raised
+
+            zero_unreached_grads(self.compiled, w, {self.rank})
+            from ..wire import _wait
+
+            for pid, grp in self._tied:  # a tied weight's ranks sum this step's gradients
+                p = self._param_obj[pid]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                _wait(dist.all_reduce(p.grad, group=grp, async_op=True), self.timeout,
+                      f"step {self.step_index}'s gradient all-reduce of a tied weight")
+            if self.dp_size > 1:  # the data-parallel replicas' gradients, as on their concatenated batch
+                loss = self._dp_reduce(batch, loss, grads=True)
+        except BaseException:
+            for p, g in stash:
+                p.grad = g
+            raise
+        for p, g in stash:
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+        t2 = time.perf_counter()
+        self.last_plan = plan
+        self.last_timeline = ex.timeline
+        self.last_workload = w
+        self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
+        self.last_microbatches = mbs
+        self.last_report = StepReport(
+            step=self.step_index, schedule=info.get("schedule", schedule), plan_source=info.get("source", "sync"),
+            fallbacks=self.fallbacks, fallback_reason=info.get("why", ""), plan_s=t1 - t0, execute_s=t2 - t1,
+            planner_s=info.get("planner_s"), planner_cpu_s=info.get("planner_cpu_s"), predicted_s=plan.simulated.get("iteration_time"),
+            search=plan.simulated.get("search"), simulation=None, _pipe=self, _plan=plan,
+            _workload=w)
+        self.step_index += 1
+        return loss
+
+    def _split(self, batch, n_microbatches, schedule: str):
+        """The step's arguments checked and its batch split: ``(batch, microbatches, None, n)``, or
+        ``(batch, None, the exception, n)`` when they are refused (raised by :meth:`plan_step` on every rank, after
+        telling the others: a rank alone would desync them).
+
+        Raises:
+            RuntimeError: the process group broke at an earlier step."""
+        if self._broken:
+            raise RuntimeError(f"this pipeline's process group broke at {self._broken}: no further step can run "
+                               "on it (start the processes, or a new process group and runtime, again)")
+        n = self.n_microbatches if n_microbatches is None else n_microbatches
+        try:
+            from ..codegen.templates import template
+            template(schedule)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"n_microbatches must be an int >= 1, got {n!r}")
+            if self.device.type != "cpu":
+                batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                         for k, v in batch.items()}
+            return batch, split_for(self.compiled, batch, n, schedule), None, n
+        except Exception as e:  # noqa: BLE001
+            return batch, None, e, n
+
+    def eval_step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
+                  schedule: str | None = None) -> torch.Tensor:
+        """The loss of ``batch`` by a forward-only pipeline (Megatron's ``forward_only=True``): each rank runs its
+        forwards in the order of ``schedule``'s plan (default "1f1b"; :func:`dipc.schedules`) with the backwards
+        dropped (:func:`dipc.plan.forward_only`), without autograd (nothing is kept for a backward; an output is
+        freed after its last reader), and sends activations only.  No gradient, optimizer state or step counter
+        changes; the background planner's look-ahead for the next training step stays valid.  ``pipe.step`` under
+        ``torch.no_grad()`` or ``torch.inference_mode()`` runs this.
+
+        The chunks run as the model was captured: a model compiled in training mode runs its dropout (dipc's
+        models are deterministic; compile a model with dropout in ``eval()`` mode for evaluation numbers).
+
+        Args:
+            batch: as for :meth:`step` (the loss needs its labels).
+            n_microbatches: default the runtime's.
+            schedule: whose forward order to follow; default "1f1b" (no sub-microbatches, no planning search).
+
+        Returns:
+            the batch loss (0-dim float32), identical on every rank and equal to the unsplit model's under
+            ``torch.no_grad()`` up to float rounding.
+
+        Raises:
+            as :meth:`step` (on every rank, before any activation moves, for bad input or ranks that disagree,
+            including one rank evaluating while another trains); ``StepFailed`` for a failure inside the plan.
+        """
+        if self.dp_size == 1:
+            return self._eval_step(batch, n_microbatches, schedule)
+        return self._dp_guard(lambda: self._dp_reduce(batch, self._eval_step(batch, n_microbatches, schedule),
+                                                      grads=False))
+
+    def _eval_step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
+                   schedule: str | None = None) -> torch.Tensor:
+        """The body of :meth:`eval_step` (one pipeline)."""
+        schedule = "1f1b" if schedule is None else schedule
+        # planning may capture a new program: that is a training trace, whatever grad mode the caller is in
+        with torch.inference_mode(False), torch.enable_grad():
+            batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
+            w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True)
+        mbs = w.microbatches
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+                      yield_after_post=dist.get_backend(self.group) == "gloo")
+        failure = None
+        try:
+            with torch.no_grad():
+                ex.run()
+                ex.finish()
+        except BaseException as e:  # noqa: BLE001 - drained: every rank learns of it in the status exchange
+            failure = e
+        local = torch.zeros((), dtype=torch.float64)
+        if failure is None:
+            local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items()), local)
+        try:
+            return self._exchange_status(ex, failure, local).to(torch.float32)
+        except StepFailed as e:
+            if not e.usable:
+                self._broken = f"evaluation at step {self.step_index} ({e})"
+            if failure is not None and not isinstance(failure, Exception):
+                raise failure from None
+            raise
+
+    # -- data parallelism
+    def _dp_broadcast_state(self) -> None:
+        """Every data-parallel replica starts from the first replica's parameters and buffers (as DDP does)."""
+        from ..wire import _wait
+
+        src = dist.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for n, t in self.state_dict_names().items():
+                _wait(dist.broadcast(t.data, src=src, group=self.dp_group, async_op=True), self.timeout,
+                      f"the data-parallel broadcast of {n}")
+
+    def _dp_count(self, batch) -> float:
+        """This replica's share of the concatenated batch's loss normaliser (labelled tokens, samples, ...)."""
+        spec = self.compiled.batch_spec
+        if spec.loss.kind == "sum":
+            return 1.0
+        key = spec.sample_key
+        n = int(batch[key].shape[0]) if key and isinstance(batch.get(key), torch.Tensor) else 1
+        return float(spec.loss.numerator(batch, n))
+
+    def _dp_guard(self, run):
+        """Run one pipeline's step; when it raises, tell the other data-parallel replicas (which then raise too)
+        before raising here, so that no replica waits in a gradient all-reduce until the timeout."""
+        try:
+            return run()
+        except BaseException as e:
+            if not getattr(e, "_dipc_dp_told", False):
+                try:
+                    self._dp_header(failed=True, count=0.0, loss=0.0, flags=None)
+                except Exception:  # noqa: BLE001 - the other replicas then meet their own timeout
+                    pass
+            raise
+
+    def _dp_header(self, failed: bool, count: float, loss: float, flags) -> torch.Tensor:
+        """One float64 all-reduce over the data-parallel group: [failed replicas, normaliser, weighted loss,
+        per local parameter whether it has a gradient]."""
+        from ..wire import _wait
+
+        n = len(self.local_param_ids)
+        h = torch.zeros(3 + n, dtype=torch.float64)
+        h[0], h[1], h[2] = float(failed), count, loss
+        if flags is not None:
+            h[3:] = flags
+        h = h.to(self.device)
+        _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout,
+              f"the data-parallel replicas' status after step {self.step_index}")
+        return h.cpu()
+
+    def _dp_reduce(self, batch, loss: torch.Tensor, grads: bool) -> torch.Tensor:
+        """The replicas' loss (and, with ``grads``, this step's gradients) as on their concatenated batch: replica
+        r's loss weighs ``count_r / sum(count)`` (labelled tokens for a token-mean loss, samples for a sample mean;
+        1 for a summed loss), its gradients are scaled so and summed by bucketed all-reduces (``bucket_mb`` MiB
+        per bucket, several in flight; after the step, not overlapped with its last backwards).  A parameter no
+        replica reached keeps no gradient, as in the unsplit model.
+
+        Raises:
+            StepFailed: another replica's step failed (every rank of every replica raises; the gradients are as
+                before the step)."""
+        from ..wire import _wait
+
+        count = self._dp_count(batch)
+        params = self.parameters()
+        flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64) if grads \
+            else None
+        h = self._dp_header(False, count, float(loss) * count, flags)
+        if h[0] > 0:
+            e = StepFailed(f"step {self.step_index}: {int(h[0])} data-parallel replica(s) failed this step; every "
+                           "replica stopped it and its .grad is as before it", step=self.step_index, usable=True)
+            e._dipc_dp_told = True
+            raise e
+        total = float(h[1])
+        scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
+        if grads:
+            live = [p for p, f in zip(params, h[3:].tolist()) if f > 0]
+            for p in live:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if scale != 1.0:
+                    p.grad.mul_(scale)
+            buckets: list[list[torch.Tensor]] = []
+            for p in live:  # same order on every replica (model order): buckets of one dtype up to bucket_mb
+                g = p.grad
+                if not buckets or buckets[-1][0].dtype != g.dtype or \
+                        sum(x.numel() * x.element_size() for x in buckets[-1]) >= self.bucket_bytes:
+                    buckets.append([])
+                buckets[-1].append(g)
+            flats = [torch.cat([g.reshape(-1) for g in b]) for b in buckets]
+            works = [dist.all_reduce(f, group=self.dp_group, async_op=True) for f in flats]
+            for b, f, wk in zip(buckets, flats, works):
+                _wait(wk, self.timeout, f"a data-parallel gradient bucket of step {self.step_index}")
+                o = 0
+                for g in b:
+                    g.copy_(f[o:o + g.numel()].view_as(g))
+                    o += g.numel()
+        out = float(h[2]) if self.compiled.batch_spec.loss.kind == "sum" else (float(h[2]) / total if total else 0.0)
+        return torch.tensor(out, dtype=torch.float32)
+
+    def _exchange_status(self, ex: Executor, failure: BaseException | None, local_loss: torch.Tensor) -> torch.Tensor:
+        """After the plan ran (or was drained after a failure), one all-reduce sums the ranks' loss shares (float64;
+        returned, 0-dim) and tells every rank whether any rank failed; the first failing rank then broadcasts its
+        action and exception (JSON) and every rank raises the same :class:`StepFailed` (issue "Faults", point 1).
+
+        Raises:
+            StepFailed: some rank failed (``usable`` False when a wait timed out or a connection broke, or the
+                exchange itself failed: a rank died or hangs)."""
+        from ..wire import WireTimeout, _wait, broadcast_json
+
+        own = failure is not None and not isinstance(failure, _PeerFailed)
+        flag = torch.stack([torch.tensor(float(2 ** self.rank) if own else 0.0, dtype=torch.float64),
+                            torch.tensor(1.0 if isinstance(failure, TransportError) else 0.0, dtype=torch.float64),
+                            local_loss.to("cpu", torch.float64)]).to(self.device)
+        mine = ""
+        if failure is not None:
+            a = ex.failure[0] if ex.failure else "the step's last sends"
+            mine = f"this rank (rank {self.rank}) failed in {a}: {type(failure).__name__}: {failure}; "
+        try:
+            _wait(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
+                  f"every rank's status after step {self.step_index}")
+        except (WireTimeout, RuntimeError) as e:
+            gone = self._unresponsive()
+            raise StepFailed(f"step {self.step_index}: {mine}the status exchange with the other ranks failed ({e}): "
+                             f"{gone}; the process group cannot run further steps", origin=None,
+                             step=self.step_index, usable=False) from (failure or e)
+        bits, broken = int(flag[0].item()), flag[1].item() > 0
+        if not bits:
+            if failure is not None:  # an abort message but no rank says it failed: cannot happen with dipc's peers
+                raise StepFailed(f"step {self.step_index}: {mine}no rank reported the failure",
+                                 step=self.step_index, usable=False) from failure
+            return flag[2].cpu()
+        origin = (bits & -bits).bit_length() - 1  # the lowest failing rank speaks for all
+        text = None
+        if self.rank == origin:
+            a = ex.failure[0] if ex.failure else "the step's last sends"
+            text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
+        text = broadcast_json(text, origin, self.group, self.device, self.timeout,
+                              what=f"rank {origin}'s failure report of step {self.step_index}")
+        others = [r for r in range(self.world) if bits >> r & 1 and r != origin]
+        more = f" (ranks {others} failed too)" if others else ""
+        state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
+                 "such a pair)" if broken else "the process group can run further steps")
+        raise StepFailed(f"step {self.step_index}: rank {origin} failed in {text['action']}: {text['error']}{more}; "
+                         f"every rank stopped the step and its .grad is as before it; {state}", origin=origin,
+                         action=text["action"], step=self.step_index, usable=not broken) from failure
+
+    def _unresponsive(self, wait_s: float = 3.0) -> str:
+        """After a broken exchange: which ranks of the pipeline still answer through the rendezvous store (each
+        survivor writes a key and looks for the others' for ``wait_s`` seconds).  The store is hosted by global
+        rank 0, so when that rank died the store is gone too, and the message says so."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            key = f"dipc/alive/{id(self.compiled)}/{self.step_index}"
+            store.set(f"{key}/{self.rank}", "1")
+            deadline = time.monotonic() + wait_s
+            missing = list(range(self.world))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in range(self.world) if not store.check([f"{key}/{r}"])]
+                if missing:
+                    time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001
+            root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            return (f"the rendezvous store does not answer either ({type(e).__name__}): global rank 0, which hosts "
+                    f"it, is probably gone" + (f" (pipeline rank 0 is global rank {root})" if root else ""))
+        if not missing:
+            return "every rank answers through the store, so a rank hangs or its connection broke"
+        return f"rank(s) {missing} do not answer within {wait_s:g} s: died or hang"
+
+    def _submit(self, next_batch, n: int, schedule: str) -> None:
+        from ..codegen.templates import template
+        from ..planner.background import BackgroundPlanner
+
+        if self._planner is None:
+            import weakref
+
+            self._planner = BackgroundPlanner(self.compiled, {"memory_limit": self.memory_limit,
+                                                              "recompute": self.recompute})
+            weakref.finalize(self, self._planner.close)  # a runtime dropped without close() stops its planner
+        budget = self.budget_s if template(schedule).kind == "interleave" else 0.0
+        try:  # never raises: this rank's peers already run the step
+            if not isinstance(next_batch, Mapping):
+                raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
+            self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1,
+                                 autocast_state(self.device))
+        except Exception as e:  # noqa: BLE001 - not sendable: the next step plans synchronously
+            self._planner.submitted = None
+            log.warning("dipc: step %d's next batch cannot go to the background planner (%s: %s); it will be "
+                        "planned synchronously", self.step_index, type(e).__name__, e)
+
+    def close(self) -> None:
+        """Stop this rank's background planner, if any (idempotent; the process also exits with this one)."""
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What :meth:`PipelineRuntime.step` did (``pipe.last_report``; DIP's plan report, §2.2/§2.4).
+
+    Attributes:
+        step: the step index.
+        schedule: the template that ran ("dip" or a fallback).
+        plan_source: "async" (made by the background planner while the previous step ran), "sync" (made by rank 0
+            at the start of the step), "given" (``step(plan=...)``) or "fallback" (the background plan missed its
+            deadline, failed or its process died: ``schedule`` is the fallback template's).
+        fallbacks: steps of this runtime that fell back so far.
+        fallback_reason: why this step did not get its background plan ("" when it did, or none was asked for).
+        plan_s: seconds of the training thread from the step's start to the plan's delivery (splitting, the
+            workload, planning when synchronous, the header broadcast and digest check).
+        execute_s: seconds of the plan's execution and the step's all-reduces.
+        planner_s: wall seconds the background planner took for this plan, waiting for idle cores included (None
+            when it did not make it); ``planner_cpu_s`` its CPU seconds.
+        predicted_s: the plan's simulated iteration time in seconds (the device profile's, or the first estimate).
+        search: the MCTS progress of ``plan.simulated["search"]`` (rollouts, best score over time), or None.
+        simulation: the simulated step's ``iteration_time``, ``bound``, ``bubble_ratio``, ``bubble_causes`` (per
+            rank: busy, fill, waits, drain, posting seconds) and ``peak_memory`` (bytes per rank); made by the
+            background planner after the plan (read when asked for), or on first use of :meth:`simulate`.
+    """
+
+    step: int
+    schedule: str
+    plan_source: str
+    fallbacks: int
+    fallback_reason: str
+    plan_s: float
+    execute_s: float
+    planner_s: float | None
+    planner_cpu_s: float | None
+    predicted_s: float | None
+    search: dict | None
+    simulation: dict | None
+    _pipe: Any = dataclasses.field(default=None, repr=False)
+    _plan: Any = dataclasses.field(default=None, repr=False)
+    _workload: Any = dataclasses.field(default=None, repr=False)
+
+    def _fetch(self) -> dict | None:
+        planner = getattr(self._pipe, "_planner", None)
+        if self.simulation is None and self.plan_source == "async" and planner is not None:
+            self.simulation = planner.simulation(self.step)  # sent after the plan; never waits
+        return self.simulation
+
+    def simulate(self) -> dict:
+        """:attr:`simulation`: the background planner's when it sent it, else made now (on this rank)."""
+        if self._fetch() is None:
+            from ..planner.background import _summary
+
+            self.simulation = _summary(self._pipe.compiled, self._workload, self._plan,
+                                       self._pipe.compiled.rank_state_bytes())
+        return self.simulation
+
+    def summary(self) -> str:
+        """One line: the schedule and where its plan came from, planning time on the training thread and in the
+        background planner, predicted vs measured seconds, the simulated bubble ratio when known, fallbacks."""
+        parts = [f"step {self.step}", f"{self.schedule} ({self.plan_source})",
+                 f"plan {self.plan_s * 1e3:.1f} ms"]
+        if self.planner_s is not None:
+            parts.append(f"planner {self.planner_s * 1e3:.1f} ms ({self.planner_cpu_s * 1e3:.1f} ms CPU)")
+        if self.predicted_s is not None:
+            parts.append(f"predicted {self.predicted_s * 1e3:.3f} ms")
+        parts.append(f"measured {self.execute_s * 1e3:.1f} ms")
+        if self._fetch() is not None:
+            parts.append(f"bubble {self.simulation['bubble_ratio']:.1%}")
+        if self.search:
+            parts.append(f"search {self.search.get('rollouts', 0)} rollouts")
+        parts.append(f"fallbacks {self.fallbacks}")
+        return "  ".join(parts)
+
+
+class _Lookahead(dict):
+    """A batch (a plain dict) that also carries the next one (``next_batch``, None for the last)."""
+
+    next_batch: Mapping[str, torch.Tensor] | None = None
+
+
+def prefetch(iterable):
+    """Yield the batches of ``iterable`` one ahead: each is a dict carrying its successor as ``.next_batch``, which
+    :meth:`PipelineRuntime.step` hands to the background planner (DIP §2.2 asynchronous planning)::
+
+        for batch in dipc.prefetch(loader):
+            loss = pipe.step(batch)
+
+    Reads one batch ahead of what it yields (the first ``next`` reads two).
+
+    Raises:
+        TypeError: a batch is not a mapping (raised when it is reached)."""
+    end = object()
+    it = iter(iterable)
+    cur = next(it, end)
+    i = 0
+    while cur is not end:
+        if not isinstance(cur, Mapping):
+            raise TypeError(f"dipc.prefetch: batch {i} is a {type(cur).__name__}; batches must be mappings (dicts of "
+                            "tensors)")
+        nxt = next(it, end)
+        out = _Lookahead(cur)
+        out.next_batch = None if nxt is end else nxt
+        yield out
+        cur, i = nxt, i + 1

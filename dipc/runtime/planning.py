@@ -1,0 +1,332 @@
+"""Planning one step: the activation budget per rank, the schedule templates and DIP's memory-aware dual-queue
+interleaver (PAPER.md §2.4), the memory ILP (§2.5) and MCTS (§2.3), lowered to a checked :class:`dipc.plan.Plan`
+(:func:`make_plan`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+from ..plan import Plan, PlanError, validate
+from ..planner.memory import optimize_memory
+from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
+
+from .workload import StepWorkload, memory_options, _input_bytes
+
+
+# ---------------------------------------------------------------------------------------------------- planning
+def check_memory_limit(memory_limit) -> float | None:
+    """``memory_limit`` as a float, or None.
+
+    Raises:
+        ValueError: not None and not a finite number > 0 (a bool, a list, a string, NaN, infinity, <= 0), naming
+            the value.
+    """
+    import math
+
+    if memory_limit is None:
+        return None
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+            or not math.isfinite(memory_limit) or memory_limit <= 0:
+        raise ValueError(f"memory_limit must be a finite number of bytes per device > 0 (or None for the device "
+                         f"profile's capacity), got {memory_limit!r}")
+    return float(memory_limit)
+
+
+def activation_budget(compiled, memory_limit: float | None = None, optimizer_states: int = 2,
+                      static_bytes=None) -> list[float | None]:
+    """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
+    device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients and
+    ``optimizer_states`` optimizer tensors per parameter, :meth:`dipc.CompiledPipeline.rank_state_bytes`; the
+    runtime budgets for AdamW's 2; ``static_bytes``: per rank, given instead); ``None`` per rank when neither is
+    known.
+
+    Raises:
+        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`) or ``optimizer_states`` (not an int >= 0).
+        PlanError: a rank's static bytes alone exceed the limit.
+    """
+    dev = compiled.device
+    memory_limit = check_memory_limit(memory_limit)
+    if isinstance(optimizer_states, bool) or not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"optimizer_states must be an int >= 0 (tensors per parameter), got {optimizer_states!r}")
+    cap = memory_limit if memory_limit is not None else (dev.memory_capacity if dev is not None else None)
+    if cap is None:
+        return [None] * compiled.pp_size
+    static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
+    out = []
+    for r, st in enumerate(static):
+        if st > cap:
+            raise PlanError(f"rank {r} holds {st:.4g} bytes of parameters, gradients and optimizer states, over the "
+                            f"memory limit of {cap:.4g} bytes before any activation")
+        out.append(cap - st)
+    return out
+
+
+def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
+              memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2,
+              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None) -> Plan:
+    """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
+    (for callers that validate it themselves).
+
+    ``schedule``: a template of :func:`dipc.schedules` (:mod:`dipc.codegen.templates`).  "dip" (default) is the
+    dual-queue list scheduler (DIP §2.4); under each rank's activation budget (:func:`activation_budget`) the
+    fastest simulated of several memory-feasible candidates (:func:`_interleave`).  The static templates fix
+    each rank's order first (Optimus: encoder forwards first, then the list scheduler without a limit), then switch
+    stages to recompute until every rank fits its budget (:func:`dipc.schedule.fit_by_recompute`).  The plan's
+    ``simulated`` records ``schedule`` and ``recomputed`` (the forward-backward pairs that recompute).  The workload
+    must have been split as the template needs (:func:`split_for`).
+
+    ``memory_opt``: under a limit, how the pairs' memory strategies are chosen: "ilp" (default: DIP's per-rank
+    ILP over keep / per-layer / full recompute, :func:`dipc.planner.memory.optimize_memory`) or "greedy" (whole
+    chunks recompute at each peak, then go back to keep where memory is left: the previous planner, for the
+    ablation).  ``budget_s`` > 0 (DIP only): then MCTS reorders the (microbatch, modality) groups' priorities for
+    up to that many seconds (:func:`dipc.planner.search.search_priorities`, DIP §2.3, deterministic under ``seed``
+    when the budget does not cut it), and the plan is the better of the search's and the interleaver's; its
+    progress is in ``plan.simulated["search"]``.
+
+    Raises:
+        ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
+        PlanError: a rank cannot fit its stages even recomputed, or the plan is invalid.
+    """
+    if memory_opt not in ("ilp", "greedy"):
+        raise ValueError(f"memory_opt must be 'ilp' or 'greedy', got {memory_opt!r}")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 <= budget_s < math.inf:
+        raise ValueError(f"budget_s must be a number >= 0 (seconds), got {budget_s!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    from ..codegen.templates import encoder_first_edges, fixed_order, template
+
+    t = template(schedule)
+    if budget_s > 0 and t.kind != "interleave":
+        raise ValueError(f"budget_s (the MCTS search) applies to schedule 'dip' only, not to the fixed template "
+                         f"{schedule!r}")
+    chunk_ranks = [c.rank for c in compiled.partition.chunks]
+    dev = compiled.device
+    T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
+    comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors) / T)) if dev is not None else None
+    limits = activation_budget(compiled, memory_limit, optimizer_states, static_bytes)
+    static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
+    graph = workload.graph
+    P = compiled.pp_size
+
+    inputs: dict[str, float] = {}
+
+    def recompute_cost(st):
+        if st.key not in inputs:
+            inputs[st.key] = _input_bytes(workload, st.key)
+        return inputs[st.key], st.latency
+
+    limited = any(x is not None for x in limits)
+    ilp = memory_opt == "ilp"
+    if limited and ilp:  # the candidates of DIP's memory optimisation (§2.5), per forward-backward pair
+        for k, st in graph.stages.items():
+            if st.kind == "F" and st.strategy == "keep":
+                st.options = tuple(memory_options(workload, k))
+    budgets = list(limits)
+    if limited:  # transients and message buffers come out of the activation budget (DESIGN.md "Memory")
+        reserve = _buffer_reserve(workload, P)
+        limits = [None if x is None else x - reserve[r] for r, x in enumerate(limits)]
+        for r, x in enumerate(limits):
+            if x is not None and x <= 0:
+                raise PlanError(f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes "
+                                f"(the memory limit less its static state) is under the {reserve[r]:.4g} bytes its "
+                                "largest stage's transient, the activations a recomputing backward rebuilds and its "
+                                "message buffers need")
+    pristine = _copy_stages(graph) if limited or budget_s > 0 else None
+    search = None
+
+    def plan_once(limits):
+        if t.kind == "interleave" and not limited:  # the common path: one list schedule
+            sched = list_schedule(graph, P, comm_time=comm)
+        elif t.kind == "interleave":
+            chunk_order, encoders = _virtual_stages(compiled)
+            first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+            seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
+            sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp)
+        else:
+            chunk_order, encoders = _virtual_stages(compiled)
+            if t.kind == "fixed":
+                order = fixed_order(t.name, graph.stages, P, encoders, chunk_order)
+            else:  # encoder_first: the list scheduler on the graph with the precedence edges, no limit
+                extra = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
+                order = _encoder_first_order(graph, P, comm, extra)
+            if limited:  # the recompute its users turn on: per chunk for all microbatches (Optimus: per pair)
+                fit_by_recompute(graph, order, limits, recompute_cost, uniform=t.kind == "fixed")  # whole chunks
+                if ilp:
+                    optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # the fewest layers that fit
+            sched = timed_schedule(graph, order, comm_time=comm)
+        return sched
+
+    def over_limit(sched) -> list[float]:
+        """Per rank, bytes the simulated plan (transients and buffers timed) is over its limit."""
+        from ..simulate import simulate_workload
+
+        res = simulate_workload(compiled, workload, lower(graph, sched, chunk_ranks, step=step),
+                                static_bytes=static)
+        return [0.0 if budgets[r] is None else res.peak_memory[r] - static[r] - budgets[r] for r in range(P)]
+
+    tol = 1e-9 * max((x or 0.0 for x in budgets), default=0.0)
+    try:
+        sched = plan_once(limits)
+        for attempt in range(MEMORY_ATTEMPTS if limited else 0):  # checked in the simulator, re-made smaller
+            over = over_limit(sched)
+            if max(over) <= tol:
+                break
+            r = max(range(P), key=lambda r: over[r])
+            # each retry takes more off: the planner's own estimate may have had slack the overshoot did not show
+            limits = [None if x is None else x - 1.05 * (2 ** attempt) * max(over[q], 0.0)
+                      for q, x in enumerate(limits)]
+            if attempt == MEMORY_ATTEMPTS - 1 or any(x is not None and x <= 0 for x in limits):
+                raise PlanError(f"rank {r}'s plan stays {over[r]:.4g} bytes over its memory limit once its stages' "
+                                f"transients and message buffers are counted ({attempt + 1} plans tried)")
+            _take(graph, pristine)
+            sched = plan_once(limits)
+    except PlanError as e:
+        if not limited:
+            raise
+        net = ", ".join(f"rank {r}: {limits[r]:.4g}" for r in range(P) if limits[r] is not None)
+        raise PlanError(f"{e} [activation budgets net of each rank's reserve for transients and message buffers: "
+                        f"{net} bytes]") from None
+    if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities, once, verified
+        from ..planner.search import search_priorities
+
+        found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
+                                          recompute_cost, budget_s, seed, ilp=ilp)
+        # the search's plan only when it is really faster (not a rounding difference of the same schedule) and,
+        # under a limit, fits once simulated with its transients and buffers; else the interleaver's stays
+        if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
+            kept = _copy_stages(graph)
+            _take(graph, found[1])
+            if limited and max(over_limit(found[0])) > tol:
+                _take(graph, kept)
+            else:
+                sched = found[0]
+                search.improved = True
+    plan = lower(graph, sched, chunk_ranks, step=step,
+                 microbatches=[mb.meta() for mb in workload.microbatches])
+    plan.simulated["schedule"] = t.name
+    if search is not None:
+        plan.simulated["search"] = {"rollouts": search.rollouts, "iterations": search.iterations,
+                                    "exhausted": search.exhausted, "seconds": search.seconds,
+                                    "best_over_time": search.history, "improved": bool(search.improved)}
+    plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy != "keep")
+    plan.simulated["recomputed_partly"] = sum(1 for s in graph.stages.values()
+                                              if s.kind == "F" and s.strategy.startswith("recompute:"))
+    if check:
+        validate(plan)
+        plan._validated = plan.digest()  # given back to PipelineRuntime.step unchanged, it is not validated again
+    return plan
+
+
+def _virtual_stages(compiled) -> tuple[list[int], list[str]]:
+    """(chunks in topological order, the encoder modalities: every one but the loss chunk's)."""
+    chunk_order = compiled.chunk_order()
+    backbone = compiled.partition.chunks[chunk_order[-1]].modality
+    return chunk_order, [m for m in compiled.partition.modalities if m != backbone]
+
+
+def _encoder_first_order(graph: StageGraph, P: int, comm, extra: list[Edge]) -> list[list[str]]:
+    """Per-rank order of the list scheduler (no limit) on ``graph`` plus the precedence edges ``extra``
+    (:func:`dipc.codegen.templates.encoder_first_edges`: Optimus' coarse order)."""
+    return list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P, comm_time=comm).order
+
+
+def _copy_stages(graph: StageGraph) -> StageGraph:
+    return StageGraph(stages={k: dataclasses.replace(st) for k, st in graph.stages.items()}, edges=graph.edges)
+
+
+#: plans :func:`make_plan` makes under a limit until the simulated one (transients and buffers timed) fits
+MEMORY_ATTEMPTS = 6
+
+
+#: in-flight windows DIP's planner tries under a memory limit, in multiples of P
+WINDOWS = (1.5, 2, 3, 4)
+
+
+def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
+    """Per rank, bytes per GPU kept out of the activation budget for what lives only around a stage: the largest
+    stage's transient plus the messages it receives, the largest activations a recomputing backward rebuilds,
+    another stage's receives (posted one action ahead) and two sends' packed copies in flight (DESIGN.md "Memory";
+    the simulator then checks the plan with every buffer timed)."""
+    T = w.tp_size
+    recv: dict[str, float] = defaultdict(float)
+    send: dict[str, float] = defaultdict(float)
+    for e in w.graph.edges:
+        if e.tensors:
+            nb = sum(t.nbytes for t in e.tensors) / T
+            recv[e.dst] += nb
+            send[e.src] += nb
+    out = []
+    for r in range(P):
+        ks = [k for k, st in w.graph.stages.items() if st.rank == r]
+        top = max((w.graph.stages[k].transient_bytes + recv[k] for k in ks), default=0.0)
+        # a backward that recomputes holds again what its forward did not keep (at most the chunk's activations
+        # less its inputs): any pair may be made to recompute, so the largest is kept free
+        again = max((w.graph.stages[k].activation_bytes - _input_bytes(w, k) for k in ks
+                     if w.graph.stages[k].kind == "F" and w.graph.stages[k].strategy == "keep"), default=0.0)
+        forced = max((w.graph.stages[k].keep_bytes - w.graph.stages[k].activation_bytes for k in ks
+                      if w.graph.stages[k].kind == "F" and w.graph.stages[k].keep_bytes is not None), default=0.0)
+        out.append(top + max(again, forced, 0.0) + max((recv[k] for k in ks), default=0.0)
+                   + 2 * max((send[k] for k in ks), default=0.0))
+    return out
+
+
+def _take(graph: StageGraph, g: StageGraph) -> None:
+    """Copy the strategies and latencies a planning candidate ``g`` chose into ``graph``."""
+    for k, st in g.stages.items():
+        o = graph.stages[k]
+        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
+        o.keep_bytes, o.recompute_extra, o.priority = st.keep_bytes, st.recompute_extra, st.priority
+
+
+def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=(), *,
+                ilp: bool = True):
+    """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets (without one, :func:`make_plan`
+    runs one list schedule): the best simulated of a few candidates (a first, fixed search over orders; the MCTS
+    priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
+    oldest recomputes when it does not fit), and orders made without a limit - each window W in :data:`WINDOWS`
+    (W x P microbatches in flight per rank), the encoder-first order (``encoder_first``: the extra precedence
+    edges, Optimus' coarse order) and ``seeds`` (fixed per-rank orders: the 1F1B and MIMO templates' orders on
+    these sub-microbatched stages) - whose stages then recompute until they fit
+    (:func:`dipc.schedule.fit_by_recompute`) and go back to "keep" where memory is left
+    (:func:`dipc.schedule.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
+    written into ``graph``.
+
+    Raises:
+        PlanError: no candidate fits (the first error met).
+    """
+    cands, errs = [], []
+    g = _copy_stages(graph)
+    try:
+        first = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
+        if ilp and optimize_memory(g, first.order, limits)["solved"]:
+            first = timed_schedule(g, first.order, comm_time=comm)
+        cands.append((first, g))
+    except PlanError as e:
+        errs.append(e)
+    orders = [dict(window=max(1, round(w * P))) for w in WINDOWS]
+    if encoder_first:
+        orders.append(dict(extra=encoder_first))
+    orders += [dict(fixed=s) for s in seeds]
+    for o in orders:
+        g = _copy_stages(graph)
+        if "fixed" in o:
+            order = o["fixed"]
+        elif "extra" in o:
+            order = _encoder_first_order(g, P, comm, o["extra"])
+        else:
+            order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
+        try:  # a candidate that cannot fit, or a seed that deadlocks on these stages, is skipped
+            fit_by_recompute(g, order, limits, recompute_cost)  # the greedy fit: kept where the ILP finds nothing
+            relax_recompute(g, order, limits)
+            if ilp:
+                optimize_memory(g, order, limits)
+            cands.append((timed_schedule(g, order, comm_time=comm), g))
+        except PlanError as e:
+            errs.append(e)
+    if not cands:
+        raise errs[0]
+    sched, g = min(cands, key=lambda c: c[0].iteration_time)
+    _take(graph, g)
+    return sched

@@ -1,0 +1,348 @@
+"""The stage graph of one step (DESIGN.md "Data flow", step 2): a forward and a backward stage per (chunk,
+microbatch, sub-microbatch) with the named tensors every cross-rank edge carries, their costs and memory
+strategies, and the digest every rank compares before the step runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from ..batch import Microbatch
+from ..plan import PlanError, TensorSpec, stage_key
+from ..schedule import Edge, Stage, StageGraph
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+@dataclasses.dataclass
+class StepWorkload:
+    """Everything about one step that every rank derives identically from the batch.
+
+    Attributes:
+        microbatches: the step's microbatches.
+        programs: stage key (F and B share one) -> the program whose chunk module runs it.
+        data: stage key -> the inputs view (microbatch or sub-microbatch) it runs on.
+        wiring: forward stage key -> input name -> list of (producer forward stage key, producer value name);
+            several producers mean a concatenation along dim 0 (sub-microbatch outputs of an encoder).
+        empty: forward stage key -> input name -> (shape, dtype) of a 0-instance input (no producer).
+        graph: the stage graph (stages, edges with tensors).
+        amp: ``(device type, dtype name)`` of the ``torch.autocast`` the step runs under (its message dtypes are
+            the ones autocast produces, :func:`autocast_dtypes`), or None.
+    """
+
+    microbatches: list[Microbatch]
+    programs: dict
+    data: dict
+    bindings: dict
+    wiring: dict
+    empty: dict
+    graph: StageGraph
+    tp_size: int = 1
+    amp: tuple[str, str] | None = None  # (device type, dtype) of the torch.autocast the step runs under
+
+
+def _fkey(c, m, s):
+    return stage_key("F", c, m, s)
+
+
+def autocast_state(device: torch.device) -> tuple[str, str] | None:
+    """``(device type, dtype name)`` of the ``torch.autocast`` enabled here for ``device``'s type, or None."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return kind, _dtype_name(torch.get_autocast_dtype(kind))
+
+
+def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]:
+    """Dtype of every value of ``prog``'s capture when it runs under ``torch.autocast(*amp)`` (empty for None):
+    the capture's graph interpreted once on its own fake tensors under that autocast (autocast acts on each ATen
+    op, so a chunk module running those ops under it produces the same dtypes).  Cached on the program.
+    Issue "A citizen of any torch training loop", point 4: message dtypes follow what autocast produces."""
+    if amp is None:
+        return {}
+    cache = prog.__dict__.setdefault("_dipc_autocast_dtypes", {})
+    if amp in cache:
+        return cache[amp]
+    gm = prog.capture.graph_module
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    out: dict[str, torch.dtype] = {}
+
+    class _Dtypes(torch.fx.Interpreter):
+        def run_node(self, n):
+            r = super().run_node(n)
+            if isinstance(r, torch.Tensor):
+                out[n.name] = r.dtype
+            return r
+
+    import contextlib
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+            torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
+        _Dtypes(gm).run(*vals)
+    cache[amp] = out
+    return out
+
+
+def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str] | None = None) -> StepWorkload:
+    """Build the stage graph of a step (see the module docstring) for ``compiled``'s chunks; ``amp``: the
+    ``torch.autocast`` it runs under (:func:`autocast_state`), whose dtypes its messages carry.
+
+    Raises:
+        dipc.codegen.stage.CodegenError: a crossing tensor's shape cannot be evaluated.
+        PlanError: programs of a microbatch and its sub-microbatches disagree on their boundary values.
+    """
+    part = compiled.partition
+    mod_of = {c.index: c.modality for c in part.chunks}
+    rank_of = {c.index: c.rank for c in part.chunks}
+    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    ex_units: dict[str, float] = {}  # filled on first use (only the no-device estimate needs it)
+    stages: dict[str, Stage] = {}
+    mb_forwards: list[str] = []
+    programs, data, bindings = {}, {}, {}
+    wiring: dict[str, dict[str, list]] = {}
+    empty: dict[str, dict] = {}
+    edges: dict[tuple[str, str], list[TensorSpec]] = {}
+
+    def add_stage(c, m, s, prog, view, units):
+        bind = prog.bind(view)
+        cost = prog.stage_cost(c, bind)
+        if cost is not None:  # symbolic cost on the device profile, at this stage's own sizes
+            tp = compiled.tp_comm_seconds(prog, c, bind) if compiled.tp_size > 1 else 0.0
+            lat = {"F": cost["latency_f"] + tp, "B": cost["latency_b"] + tp}
+            act = cost["activation_bytes"] / compiled.tp_size
+            # the largest op's output while the forward runs; the backward holds its gradient and its input's
+            op = cost.get("op_peak_bytes", 0.0) / compiled.tp_size
+            transient = {"F": op, "B": 2 * op}
+        else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
+            if not ex_units:
+                ex_units.update(_example_units(compiled))
+            ratio = units / max(ex_units[mod_of[c]], 1e-12)
+            lat = {"F": compiled.chunk_latency(c) * ratio, "B": 2 * compiled.chunk_latency(c) * ratio}
+            act = part.chunks[c].cost.activation_bytes * ratio
+            transient = {"F": 0.0, "B": 0.0}  # the nominal estimate does not size ops
+        prio = -m
+        for kind in ("F", "B"):
+            st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat[kind], priority=prio,
+                       activation_bytes=act, modality=mod_of[c], transient_bytes=transient[kind])
+            stages[st.key] = st
+        k = _fkey(c, m, s)
+        mb_forwards.append(k)
+        programs[k] = prog
+        data[k] = view
+        bindings[k] = bind
+        edges[(k, stage_key("B", c, m, s))] = []
+
+    for mb in microbatches:
+        m = mb.index
+        mb_forwards.clear()
+        prog = compiled.program_for(mb.data)
+        sub_progs = {}
+        for mod, inst in inst_of.items():
+            for j in range(len(mb.subs[mod])):
+                view = mb.sub_view(inst, j)
+                sp = compiled.program_for(view, whole=False)
+                sub_progs[(mod, j)] = sp
+                for c in sorted(sp.chunks):
+                    if mod_of[c] == mod:
+                        add_stage(c, m, j, sp, view, view[inst.keys[0]].shape[0])
+        units = _units(compiled, mb.data)
+        for c in sorted(prog.chunks):
+            if mod_of[c] not in inst_of:
+                add_stage(c, m, -1, prog, mb.data, units)
+        # wiring
+        for key in mb_forwards:
+            st = stages[key]
+            p = programs[key]
+            cm = p.chunks[st.chunk]
+            w = wiring.setdefault(key, {})
+            for inp in cm.inputs:
+                if inp.kind != "value":
+                    continue
+                src_mod = mod_of[inp.src_chunk]
+                if src_mod == st.modality or src_mod not in inst_of:
+                    w[inp.name] = [(_fkey(inp.src_chunk, m, st.sub if src_mod == st.modality else -1), inp.name)]
+                    continue
+                # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs
+                k_idx = p.boundary[src_mod].index(inp.name)
+                producers = []
+                for j in range(len(mb.subs[src_mod])):
+                    sp = sub_progs[(src_mod, j)]
+                    if len(sp.boundary.get(src_mod, [])) != len(p.boundary[src_mod]):
+                        raise PlanError(f"the capture for sub-microbatch {j} of microbatch {m} hands "
+                                        f"{sp.boundary.get(src_mod)} from {src_mod} to the backbone, the microbatch's "
+                                        f"capture expects {p.boundary[src_mod]}")
+                    name = sp.boundary[src_mod][k_idx]
+                    src_chunk = next(c for c, cmj in sp.chunks.items() if name in cmj.outputs)
+                    producers.append((_fkey(src_chunk, m, j), name))
+                w[inp.name] = producers
+                if not producers:
+                    meta = p.chunks[inp.src_chunk].output_meta[inp.name]
+                    dt = autocast_dtypes(p, amp).get(inp.name, meta.dtype)
+                    empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), dt)
+    for key, w in wiring.items():
+        for name, producers in w.items():
+            for pk, pname in producers:
+                pst = stages[pk]
+                meta = programs[pk].chunks[pst.chunk].output_meta[pname]
+                dt = autocast_dtypes(programs[pk], amp).get(pname, meta.dtype)
+                spec = TensorSpec(pname, meta.concrete_shape(bindings[pk]), _dtype_name(dt))
+                lst = edges.setdefault((pk, key), [])
+                if spec not in lst:
+                    lst.append(spec)
+                if pst.rank == stages[key].rank:  # the consumer reads the producer's outputs: they live until then
+                    edges.setdefault((key, "B" + pk[1:]), [])
+                if meta.requires_grad:
+                    bk = "B" + key[1:]
+                    bpk = "B" + pk[1:]
+                    lst_b = edges.setdefault((bk, bpk), [])
+                    if spec not in lst_b:
+                        lst_b.append(spec)
+    edge_list = [Edge(src=s, dst=d, tensors=tuple(t) if stages[s].rank != stages[d].rank else ())
+                 for (s, d), t in edges.items()]
+    return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
+                        empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size,
+                        amp=amp)
+
+
+def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True) -> int:
+    """Give the forward-backward stage pairs ``which`` selects (a predicate on the forward :class:`Stage`, or all)
+    the "recompute" memory strategy: the forward then keeps only its inputs (their bytes become its
+    ``activation_bytes``) and the backward runs it again (its latency grows by the forward's).  Megatron's
+    ``--recompute-granularity full``, per stage.  Returns how many pairs changed."""
+    n = 0
+    for k, st in w.graph.stages.items():
+        if st.kind != "F" or st.strategy == "recompute" or not (which is True or (callable(which) and which(st))):
+            continue
+        b = w.graph.stages["B" + k[1:]]
+        kept = _input_bytes(w, k)
+        st.keep_bytes, st.recompute_extra, st.forced = st.activation_bytes, st.latency, True
+        for x in (st, b):
+            x.strategy = "recompute"
+            x.activation_bytes = kept
+        b.latency += st.latency
+        n += 1
+    return n
+
+
+def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float]]:
+    """The memory strategies forward ``fk``'s pair may take (DESIGN.md "Memory"; DIP §2.5's per-layer
+    candidates): ``(strategy, bytes per GPU its forward keeps until the backward, seconds its backward grows by)``
+    for "keep", "recompute:k" for every k in 1 .. blocks - 1 (the chunk's first k blocks recompute: their saved
+    bytes are replaced by the chunk's inputs, their forward seconds join the backward) and "recompute" (the whole
+    chunk, the inputs only).  Per-block seconds and bytes come from the compiled per-block costs on the device
+    profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split evenly
+    over its blocks.  The forward must still be at "keep"."""
+    st = w.graph.stages[fk]
+    if st.strategy != "keep":
+        raise PlanError(f"memory options of {fk} are taken from its 'keep' costs; it is at {st.strategy!r}")
+    prog = w.programs[fk]
+    cm = prog.chunks[st.chunk]
+    keep, f_lat = st.activation_bytes, st.latency
+    inputs = _input_bytes(w, fk)
+    out = [("keep", keep, 0.0)]
+    blocks = prog.block_costs(st.chunk, w.bindings[fk])
+    if blocks is None:
+        n = max(cm.n_blocks, 1)
+        blocks = [(1.0 / n, keep / n)] * n
+    total_f = sum(f for f, _ in blocks) or 1.0
+    done_f, kept_after = 0.0, sum(a for _, a in blocks)
+    for k in range(1, len(blocks)):
+        done_f += blocks[k - 1][0]
+        kept_after -= blocks[k - 1][1]
+        out.append((f"recompute:{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f))
+    if inputs < keep:
+        out.append(("recompute", inputs, f_lat))
+    return out
+
+
+def _input_bytes(w: StepWorkload, fk: str) -> float:
+    """Bytes per GPU of a forward stage's inputs: the values it receives and the batch keys it reads (divided by
+    the cost model's ``tp_size``: with sequence parallelism each GPU of a stage keeps its shard)."""
+    prog = w.programs[fk]
+    st = w.graph.stages[fk]
+    cm = prog.chunks[st.chunk]
+    total = 0.0
+    for inp in cm.inputs:
+        if inp.kind == "batch":
+            v = w.data[fk][inp.key]
+            total += v.numel() * v.element_size()
+        elif inp.kind == "value":
+            for pk, pname in w.wiring[fk][inp.name]:
+                meta = w.programs[pk].chunks[w.graph.stages[pk].chunk].output_meta[pname]
+                n = 1
+                for d in meta.concrete_shape(w.bindings[pk]):
+                    n *= d
+                total += n * meta.dtype.itemsize
+    return total / w.tp_size
+
+
+def workload_digest(w: StepWorkload) -> str:
+    """SHA-256 of a step: every edge of its stage graph with the names, shapes and dtypes of the tensors it
+    carries, and a position-weighted sum of each microbatch's integer tensors.  Ranks that traced the model alike
+    and were given the same batch agree on it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for e in sorted(w.graph.edges, key=lambda e: (e.src, e.dst)):
+        h.update(f"{e.src}>{e.dst}:{[(t.name, t.shape, t.dtype) for t in e.tensors]};".encode())
+    for mb in w.microbatches:  # and the batch: integer tensors (tokens, labels) by a position-weighted sum
+        for k in sorted(mb.data):
+            v = mb.data[k]
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel():
+                flat = v.reshape(-1).long().cpu()
+                h.update(f"{k}:{int((flat * (torch.arange(flat.numel()) % 7919 + 1)).sum())};".encode())
+    return h.hexdigest()
+
+
+def step_digest(compiled, w: StepWorkload, forward_only: bool = False) -> str:
+    """What every rank compares before a step runs: :func:`workload_digest` (with the autocast dtypes of its
+    messages), marked for an evaluation plan and, for a model with dropout, with the model's mode."""
+    mode = ("train-mode:" if compiled.model.training else "eval-mode:") if compiled.mode_dependent else ""
+    return ("eval:" if forward_only else "") + mode + workload_digest(w)
+
+
+def _units(compiled, data) -> float:
+    """Work units of a whole-microbatch stage: elements of the first per-sample key (tokens for text)."""
+    key = compiled.batch_spec.sample_key
+    return float(data[key].numel()) if key else 1.0
+
+
+def _example_units(compiled) -> dict[str, float]:
+    ex = compiled.program.capture
+    out = {}
+    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    shapes = {}
+    for n in ex.graph.nodes:
+        if n.op == "placeholder" and n.name in ex.input_keys:
+            v = n.meta.get("val")
+            shapes[ex.input_keys[n.name]] = [int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+                                             for s in v.shape]
+    key = compiled.batch_spec.sample_key
+    tokens = 1
+    for s in (shapes[key] if key in shapes else ()):
+        tokens *= s
+    for m in compiled.partition.modalities:
+        if m in inst_of:
+            out[m] = float(shapes[inst_of[m].keys[0]][0])
+        else:
+            out[m] = float(tokens)
+    return out
+
+
+def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip") -> list[Microbatch]:
+    """``compiled.batch_spec.split`` as ``schedule`` needs it: sub-microbatches for DIP, the encoders on each
+    microbatch whole for the static templates.
+
+    Raises:
+        ValueError: unknown ``schedule``.
+        dipc.batch.BatchError: see :meth:`dipc.batch.BatchSpec.split`.
+    """
+    from ..codegen.templates import template
+
+    whole = not template(schedule).sub_microbatches
+    return compiled.batch_spec.split(batch, n_microbatches, whole_instances=whole)

@@ -1,0 +1,94 @@
+"""Data parallelism x pipeline parallelism (issue "A citizen of any torch training loop", point 6): 4 processes as a
+[dp=2, pp=2] DeviceMesh, each replica a 2-rank pipeline with its own batch (a text-only microbatch first in one
+replica, last in the other); after each step the replicas' gradients are all-reduced so that loss, every gradient
+and the parameters after AdamW equal the unsplit model's on the two batches concatenated; the replicas' evaluation
+loss is the concatenated batch's too; a replica whose step fails makes every rank of both raise; gradients accumulate
+over steps without zero_grad as two backward passes of the unsplit model do (tied embedding across the pipeline's
+ranks throughout)."""
+import pytest
+
+from dipc.launch import spawn
+
+
+def _cat(a, b):
+    import torch
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def _mesh(rank, world):
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.runtime import StepFailed
+    from dipc.testing import unsplit_loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    model = pc.vlm(True)
+    ref = copy.deepcopy(model)
+    if dp == 1:  # another replica's different initial weights: the runtime starts every replica from the first's
+        torch.manual_seed(5)
+        model.load_state_dict(pc.vlm(True).state_dict())
+    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2})
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01)  # several buckets
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    steps = [(pc.vlm_batch([0, 0, 2, 1], 16, 10), pc.vlm_batch([1, 2, 0, 0], 16, 11)),
+             (pc.vlm_batch([0, 3, 0, 1], 14, 20), pc.vlm_batch([0, 0, 0, 0], 14, 21))]
+    params = dict(ref.named_parameters())
+    worst = 0.0
+    for mine, theirs in steps:
+        both = (mine, theirs)
+        opt.zero_grad()
+        loss = pipe.step(both[dp])
+        ref_opt.zero_grad()
+        want = unsplit_loss(ref, _cat(*both))
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: loss: {m}")
+        for n, p in pipe.named_parameters():
+            g = params[n].grad
+            assert (p.grad is None) == (g is None), n
+            if g is not None:
+                torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {rank}: {n}: {m}")
+                worst = max(worst, float((p.grad - g).abs().max()))
+        opt.step()
+        ref_opt.step()
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {n}: {m}")
+    with torch.no_grad():
+        ev = pipe.step(steps[0][dp])
+        torch.testing.assert_close(ev, unsplit_loss(ref, _cat(*steps[0])), rtol=1e-5, atol=1e-6)
+    # replica 1's batch is refused on its ranks: every rank of both replicas raises, nothing changes
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    bad = dict(steps[0][dp])
+    if dp == 1:
+        bad["pixel_values"] = bad["pixel_values"][:1]
+    with pytest.raises(Exception) as err:
+        pipe.step(bad)
+    if dp == 0:
+        assert isinstance(err.value, StepFailed) and "data-parallel replica" in str(err.value), err.value
+    for n, p in pipe.named_parameters():
+        if n in before:
+            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+    # gradient accumulation over two steps without zero_grad: two backward passes of the unsplit model
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for mine, theirs in steps:
+        pipe.step((mine, theirs)[dp])
+        unsplit_loss(ref, _cat(mine, theirs)).backward()
+    for n, p in pipe.named_parameters():
+        if params[n].grad is not None:
+            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}: accumulated {n}: {m}")
+    return worst
+
+
+@pytest.mark.timeout(300)
+def test_dp_by_pp_mesh_equals_the_unsplit_model_on_the_concatenated_batch():
+    errs = spawn(_mesh, 4, timeout=240)
+    assert max(errs) < 1e-6
