@@ -52,7 +52,7 @@ def _check(names):
 
 @pytest.mark.timeout(900)
 def test_hf_models_match_the_unsplit_model_on_2_ranks():
-    """The default suite's share: a VLM of each family of vision wiring (PaliGemma, Idefics3, LLaVA-NeXT, LLaVA)
+    """The default suite's share: PaliGemma, LLaVA-NeXT (per-image token counts), LLaVA (re-captured image counts)
     and the Flux transformer."""
     import hf_cases
     _check([n for n in hf_cases.CASES if n not in hf_cases.SLOW])
@@ -61,7 +61,8 @@ def test_hf_models_match_the_unsplit_model_on_2_ranks():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_more_hf_models_match_the_unsplit_model_on_2_ranks():
-    """The full suite's rest (DIPC_FULL=1): Gemma 3, Mllama's cross-attention and SD3."""
+    """The full suite's rest (DIPC_FULL=1): Gemma 3, Mllama's cross-attention, Idefics3's per-sample padded images
+    and SD3."""
     import hf_cases
     _check(list(hf_cases.SLOW))
 

@@ -85,6 +85,7 @@ def test_simulate_compiled_pipeline_with_a_device_profile():
     dipc.validate(plan)
 
 
+@pytest.mark.slow
 def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     """DIP §2.1: B_i = smallest sub-microbatch size with >= 95% of peak efficiency; fixed launch overheads make
     small sub-microbatches inefficient, so B_i grows with them; a given B_i is kept."""

@@ -170,7 +170,7 @@ def test_template_plans_export_to_torch_pipelining_csv(vlm2, tmp_path):
         c.to_torch_csv(plan)
 
 
-@pytest.mark.parametrize("p", [2, pytest.param(3, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("p", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_every_template_gives_the_unsplit_gradients(p):
     """Every template on 2, 3 and 4 ranks, in two batch orders (text-only microbatches first), microbatch counts
     divisible by P and not: all ranks in one process (run_local executes the plan in a feasible global order, as
