@@ -75,6 +75,15 @@ def _mesh(rank, world):
     for n, p in pipe.named_parameters():
         if n in before:
             assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+    # one replica evaluates while the other trains: both raise, nothing changes
+    with pytest.raises(StepFailed, match="trained while the others evaluated"):
+        if dp == 0:
+            pipe.eval_step(steps[0][dp])
+        else:
+            pipe.step(steps[0][dp])
+    for n, p in pipe.named_parameters():
+        if n in before:
+            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # gradient accumulation over two steps without zero_grad: two backward passes of the unsplit model
     opt.zero_grad()
     ref_opt.zero_grad()

@@ -653,6 +653,11 @@ class PipelineRuntime:
              plan: Plan | None = None) -> torch.Tensor:
         """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
 
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` this is :meth:`eval_step` (forward only).  Under
+        ``torch.autocast`` the chunks run under it and the messages carry its dtypes.  With a data-parallel mesh
+        (``compiled.runtime(mesh=...)``) ``batch`` is this replica's and the loss and gradients are those of the
+        replicas' batches concatenated (:meth:`_dp_reduce`).
+
         Args:
             batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
                 ``labels [B, S]``).  A batch yielded by :func:`prefetch` brings its successor as ``next_batch``.
@@ -676,6 +681,7 @@ class PipelineRuntime:
             dipc.batch.BatchError: the batch is invalid (raised on every rank before any communication).
             ValueError: unknown ``schedule``, or a bad ``n_microbatches`` (on every rank, before any communication).
             dipc.plan.PlanError: plan delivery or execution is inconsistent.
+            StepFailed: a rank (or, data parallel, a replica) failed inside the step; every ``.grad`` is as before it.
             RuntimeError: a distributed wait exceeded the timeout.
         """
         if not torch.is_grad_enabled():  # under torch.no_grad() / inference_mode(): the forward-only plan
@@ -869,21 +875,25 @@ class PipelineRuntime:
         except BaseException as e:
             if not getattr(e, "_dipc_dp_told", False):
                 try:
-                    self._dp_header(failed=True, count=0.0, loss=0.0, flags=None)
+                    self._dp_header(failed=True, count=0.0, loss=0.0, flags=None, training=False)
                 except Exception:  # noqa: BLE001 - the other replicas then meet their own timeout
                     pass
             raise
 
-    def _dp_header(self, failed: bool, count: float, loss: float, flags) -> torch.Tensor:
-        """One float64 all-reduce over the data-parallel group: [failed replicas, normaliser, weighted loss,
-        per local parameter whether it has a gradient]."""
+    _DP_FIELDS = 6  # failed, normaliser, weighted loss, training, step, step^2; then per-parameter gradient flags
+
+    def _dp_header(self, failed: bool, count: float, loss: float, flags, training: bool) -> torch.Tensor:
+        """One float64 all-reduce (sum) over the data-parallel group: [failed replicas, normaliser, weighted loss,
+        replicas that train (not evaluate), step index, its square, per local parameter whether it has a
+        gradient].  The last two tell whether every replica is at the same step."""
         from ..wire import _wait
 
         n = len(self.local_param_ids)
-        h = torch.zeros(3 + n, dtype=torch.float64)
-        h[0], h[1], h[2] = float(failed), count, loss
+        h = torch.zeros(self._DP_FIELDS + n, dtype=torch.float64)
+        h[0], h[1], h[2], h[3] = float(failed), count, loss, float(training)
+        h[4], h[5] = float(self.step_index), float(self.step_index) ** 2
         if flags is not None:
-            h[3:] = flags
+            h[self._DP_FIELDS:] = flags
         h = h.to(self.device)
         _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout,
               f"the data-parallel replicas' status after step {self.step_index}")
@@ -905,16 +915,26 @@ class PipelineRuntime:
         params = self.parameters()
         flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64) if grads \
             else None
-        h = self._dp_header(False, count, float(loss) * count, flags)
+        h = self._dp_header(False, count, float(loss) * count, flags, training=grads)
+        D = self.dp_size
+        why = ""
         if h[0] > 0:
-            e = StepFailed(f"step {self.step_index}: {int(h[0])} data-parallel replica(s) failed this step; every "
-                           "replica stopped it and its .grad is as before it", step=self.step_index, usable=True)
+            why = f"{int(h[0])} data-parallel replica(s) failed this step"
+        elif float(h[3]) not in (0.0, float(D)):
+            why = (f"{int(h[3])} of the {D} data-parallel replicas trained while the others evaluated (every "
+                   "replica must call step() or eval_step() alike)")
+        elif float(h[5]) * D != float(h[4]) ** 2:
+            why = (f"the data-parallel replicas are at different steps (this one at step {self.step_index}): every "
+                   "replica must call step() for every batch")
+        if why:
+            e = StepFailed(f"step {self.step_index}: {why}; every replica stopped it and its .grad is as before it",
+                           step=self.step_index, usable=True)
             e._dipc_dp_told = True
             raise e
         total = float(h[1])
         scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
         if grads:
-            live = [p for p, f in zip(params, h[3:].tolist()) if f > 0]
+            live = [p for p, f in zip(params, h[self._DP_FIELDS:].tolist()) if f > 0]
             for p in live:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
