@@ -166,7 +166,7 @@ class CompiledPipeline:
         small integer tensors of the batch (not its tokens or labels) are retried as static values - the
         ``.tolist()`` of Hugging Face LLaVA-NeXT's ``image_sizes`` - with a warning naming them."""
         try:
-            return capture(self.model, self.traced(data), dynamic=self.dynamic, loss_key=self.loss_key)
+            return capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
         except CaptureError as e:
             if not first or self.static_keys or not _data_dependent(e):
                 raise
@@ -176,7 +176,7 @@ class CompiledPipeline:
                 raise
             self.static_keys = guess
             try:
-                cap = capture(self.model, self.traced(data), dynamic=self.dynamic, loss_key=self.loss_key)
+                cap = capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
             except CaptureError:
                 self.static_keys = []
                 raise e
@@ -184,6 +184,27 @@ class CompiledPipeline:
                           ".tolist()): they are static in its trace, re-captured per distinct value; pass "
                           "static_keys= to say so", stacklevel=4)
             return cap
+
+    def _tracer(self) -> torch.nn.Module:
+        """The module torch.export traces: the model, or after a runtime materialised its rank's part of a
+        meta-device model (:meth:`dipc.runtime.PipelineRuntime`), the all-meta copy it kept (in the model's mode)."""
+        twin = getattr(self, "_trace_model", None)
+        if twin is None:
+            return self.model
+        twin.train(self.model.training)
+        return twin
+
+    def _trace_data(self, data: Mapping[str, Any]) -> dict:
+        """:meth:`traced` ``data``, its tensors on the meta device when the traced model is (a meta model's trace
+        sees only shapes and dtypes; the graph's ``device=meta`` constants are set to the rank's device when its
+        chunks first run)."""
+        out = self.traced(data)
+        if self._traces_on_meta():
+            out = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        return out
+
+    def _traces_on_meta(self) -> bool:
+        return is_meta(self._tracer())
 
     @staticmethod
     def batch_spec_keys_excluded(data: Mapping[str, Any]) -> set[str]:
@@ -226,6 +247,7 @@ class CompiledPipeline:
         prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
                        sizes=sizes)
         prog.training = self.model.training  # the mode it was captured in (see mode_dependent)
+        prog.meta_trace = self._traces_on_meta()  # its graph's device constants say "meta" (see _trace_data)
         if self.device is not None:
             prog.chunk_costs = self._chunk_costs(cap)
             prog.block_costs_of = self._block_costs
@@ -628,7 +650,7 @@ class CompiledPipeline:
     def runtime(self, group=None, *, mesh=None, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                bucket_mb: float = 25.0):
+                bucket_mb: float = 25.0, init=None):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -638,6 +660,9 @@ class CompiledPipeline:
                 replica is a pipeline of ``pp_size`` ranks with its own batch and its own planner; after each step
                 the replicas' gradients are all-reduced in buckets of ``bucket_mb`` MiB, weighted so they equal the
                 unsplit model's on the replicas' concatenated batch (see :class:`dipc.runtime.PipelineRuntime`).
+            init: for a model built on the meta device: ``init(module)`` runs for every module of which this rank
+                materialises a parameter or buffer (only its own chunks' are: about 1/P of the model), e.g. the
+                model's weight init; then load the weights with ``pipe.load_checkpoint``.
             n_microbatches: microbatches per step (default ``2 * pp_size``).
             timeout: seconds any distributed wait may take before it raises.
             recompute: every stage recomputes its forward in its backward (keeps only its inputs); without it the
@@ -674,7 +699,7 @@ class CompiledPipeline:
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
-                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb)
+                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init)
 
 
 def _mode_dependent(model: torch.nn.Module) -> bool:

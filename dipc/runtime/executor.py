@@ -349,7 +349,9 @@ class Executor:
                 raise _PeerFailed(bad[0][0] - 1, bad[0][1])
 
 
-def _modules_of(workload: StepWorkload, ranks) -> dict:
+def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = None) -> dict:
+    """(program id, chunk) -> the chunk module, for the stages of ``ranks``; a program traced on the meta device
+    (a meta-device model) first gets its graph's ``device=meta`` constants set to ``device`` (:func:`_on_device`)."""
     mods = {}
     for k, prog in workload.programs.items():
         st = workload.graph.stages[k]
@@ -357,8 +359,35 @@ def _modules_of(workload: StepWorkload, ranks) -> dict:
             gm = prog.chunks[st.chunk].gm
             if gm is None:
                 raise PlanError(f"chunk {st.chunk} has no module built in this process")
+            if getattr(prog, "meta_trace", False):
+                _on_device(gm, device or torch.device("cpu"))
             mods[(id(prog), st.chunk)] = gm
     return mods
+
+
+def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
+    """Replace every ``torch.device("meta")`` argument of ``gm``'s graph (and of its nested graphs: ``torch.cond``
+    branches, checkpointed regions) by ``device``: the factory ops (``arange``, ``zeros``, ``full``) and copies
+    (``_to_copy``, ``to``) that a trace of a meta-device model recorded.  Done once per module and device."""
+    if gm.__dict__.get("_dipc_device") == device:
+        return
+    from torch.utils._pytree import tree_map
+
+    def fix(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            changed = False
+            for n in m.graph.nodes:
+                args, kwargs = tree_map(fix, n.args), tree_map(fix, n.kwargs)
+                if args != n.args or kwargs != n.kwargs:
+                    n.args, n.kwargs = args, kwargs
+                    changed = True
+            if changed:
+                m.recompile()
+    gm.__dict__["_dipc_device"] = device
+    gm.__dict__.pop("_dipc_recompute_prefix", None)  # built from the old graph
 
 
 def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:

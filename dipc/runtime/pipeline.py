@@ -8,12 +8,13 @@ import math
 import time
 from collections import defaultdict
 import logging
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from ..batch import Microbatch
+from ..check import is_meta
 from ..plan import Plan, PlanError, validate
 
 from .transport import _DistTransport, TransportError
@@ -39,7 +40,7 @@ class PipelineRuntime:
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                  budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                 dp_group=None, bucket_mb: float = 25.0):
+                 dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None):
         from ..codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
@@ -93,11 +94,72 @@ class PipelineRuntime:
             raise ValueError(f"bucket_mb must be a number of MiB > 0, got {bucket_mb!r}")
         self.dp_group, self.bucket_bytes = dp_group, int(bucket_mb * 2 ** 20)
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        if init is not None and not callable(init):
+            raise ValueError(f"init must be a function of a module, got {init!r}")
+        self.materialized_bytes = None
+        if is_meta(compiled.model):
+            self._materialize(init)
         self._setup_params()
         if self.dp_size > 1:
             self._dp_broadcast_state()
 
     # -- parameters
+    def _materialize(self, init) -> None:
+        """A meta-device model: this rank's parameters and buffers (those its chunks read; rank 0 also keeps the
+        parameters no chunk reads) become uninitialised tensors on this rank's device (``to_empty``), in the model,
+        in the compiled state and in every chunk module; then ``init(module)`` runs for each module that owns one
+        (e.g. the model's weight init and RoPE's table: non-persistent buffers are not in any checkpoint), and a
+        checkpoint (:meth:`load_checkpoint`) gives them their values.  The other ranks' parameters stay on the
+        meta device, so this rank holds only its share.  Later captures trace an all-meta copy of the model
+        (:meth:`dipc.compiler.CompiledPipeline._tracer`)."""
+        import copy
+
+        comp = self.compiled
+        model = comp.model
+        if getattr(comp, "_trace_model", None) is None:
+            comp._trace_model = copy.deepcopy(model)  # no storage to copy: every tensor is on the meta device
+        mine: set[str] = set()
+        reached: set[int] = set()
+        for c in comp.partition.chunks:
+            for n in comp.chunk_params(c.index):
+                reached.add(id(comp._state[n]))
+            if c.rank == self.rank and c.index in comp.program.chunks:
+                mine.update(comp.program.chunks[c.index].state_names)
+        entries = list(model.named_parameters(remove_duplicate=False)) + \
+            list(model.named_buffers(remove_duplicate=False))
+        if self.rank == 0:  # parameters the loss does not reach live on rank 0 (as _setup_params keeps them)
+            mine.update(n for n, t in entries if isinstance(t, torch.nn.Parameter) and id(t) not in reached)
+        ids_mine = {id(t) for n, t in entries if n in mine}
+        new_of: dict[int, torch.Tensor] = {}
+        owners: dict[int, torch.nn.Module] = {}
+        for name, t in entries:
+            if id(t) not in ids_mine or not t.is_meta:
+                continue
+            if id(t) not in new_of:
+                real = torch.empty_like(t, device=self.device)
+                new_of[id(t)] = torch.nn.Parameter(real, requires_grad=t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else real
+            prefix, _, field = name.rpartition(".")
+            mod = model.get_submodule(prefix) if prefix else model
+            table = mod._parameters if isinstance(t, torch.nn.Parameter) else mod._buffers
+            table[field] = new_of[id(t)]
+            comp._state[name] = new_of[id(t)]
+            owners[id(mod)] = mod
+        for prog in comp.programs:  # the chunk modules hold the tensors themselves: swap them there too
+            for cm in prog.chunks.values():
+                if cm.gm is None:
+                    continue
+                for m in cm.gm.modules():
+                    for table in (m._parameters, m._buffers):
+                        for k, v in list(table.items()):
+                            if v is not None and id(v) in new_of:
+                                table[k] = new_of[id(v)]
+        if init is not None:
+            with torch.no_grad():
+                for mod in owners.values():
+                    init(mod)
+        self.materialized_bytes = sum(t.numel() * t.element_size() for t in new_of.values())
+
     def _setup_params(self):
         comp = self.compiled
         names_by_id: dict[int, list[str]] = defaultdict(list)
@@ -711,7 +773,7 @@ class PipelineRuntime:
         for p, _ in stash:
             p.grad = None
         try:
-            ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+            ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
                           yield_after_post=dist.get_backend(self.group) == "gloo")
             failure = None
             try:
@@ -826,7 +888,7 @@ class PipelineRuntime:
             batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
             w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True)
         mbs = w.microbatches
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}), self.device,
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
                       yield_after_post=dist.get_backend(self.group) == "gloo")
         failure = None
         try:
