@@ -1,7 +1,8 @@
 """Checkpoints through torch.distributed.checkpoint (issue "A citizen of any torch training loop", point 3): a
 pipeline at pp=2 saves model and AdamW state under the original names; the same ranks resume from it exactly, the
 unsplit model loads it (no process group), a pipeline at pp=4 loads it and the unsplit model's own checkpoint, and
-every resumed run's next step equals the unsplit model's (loss, parameters after the optimizer step)."""
+every resumed run's next step equals the unsplit model's (loss, parameters after the optimizer step).  The pp=4
+pipeline is built from a model on the meta device: each rank materialises only its own chunks' tensors (point 5)."""
 import pytest
 
 from dipc.launch import spawn
@@ -139,26 +140,48 @@ def _pp2(rank, world, path):
     return {}
 
 
-def _pp4(rank, world, path):
-    import copy
+def _init(module):
+    """The reference models' own init, and RoPE's table (a non-persistent buffer: in no checkpoint)."""
+    from dipc.models.language import RotaryEmbedding, init_weights
+    init_weights(module)
+    if isinstance(module, RotaryEmbedding):
+        module.reset_inv_freq()
 
+
+def _pp4(rank, world, path):
+    """pp=4 from a model built on the meta device (point 5, per-rank materialisation): each rank makes only its
+    own chunks' tensors real, then loads the pp=2 checkpoint and the unsplit model's."""
     import torch
 
     import dipc
     import pipeline_cases as pc
+    from dipc.testing import unsplit_loss
 
     fresh, _, batches = _ref_run(0)
-    compiled = dipc.compile(copy.deepcopy(fresh), pc.vlm_batches_4ranks()[0], world,
-                            sub_microbatch_size={"vision": 2})
-    pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    with torch.device("meta"):
+        model = pc.vlm(True)
+    compiled = dipc.compile(model, pc.vlm_batches_4ranks()[0], world, sub_microbatch_size={"vision": 2})
+    pipe = compiled.runtime(n_microbatches=2, timeout=120, init=_init)
+    assert all(not p.is_meta for p in pipe.parameters())
+    real = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+    local = sum(p.numel() * p.element_size() for p in pipe.parameters())
     for source in ("pp2", "unsplit"):
-        pipe.load_state_dict(fresh.state_dict())
         opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
         pipe.load_checkpoint(f"{path}/{source}", opt)
         ref, _, _ = _ref_run(2)
         _check_resumed(rank, pipe, opt, f"{path}/{source}", ref, batches[3],
                        f"pp=4 from the {source} checkpoint")
-    return {}
+    # odd sizes; a new capture traces the all-meta copy (the model is now part real, part meta)
+    pipe.load_checkpoint(f"{path}/unsplit")
+    ref, _, _ = _ref_run(2)  # what that checkpoint holds
+    odd = pc.vlm_batch([0, 2, 1], 12, 7)
+    pipe.zero_grad()
+    torch.testing.assert_close(pipe.step(odd), unsplit_loss(ref, odd).detach(), rtol=1e-5, atol=1e-6)
+    assert compiled._tracer() is not model and compiled._capture(odd).loss_node
+    assert all(t.is_meta for t in compiled._tracer().parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.eval_step(batches[2]), unsplit_loss(ref, batches[2]), rtol=1e-5, atol=1e-6)
+    return {"real": real, "local": local, "full": sum(p.numel() * p.element_size() for p in fresh.parameters())}
 
 
 @pytest.mark.timeout(400)
@@ -174,4 +197,7 @@ def test_dcp_checkpoints_across_pp_sizes_and_the_unsplit_model(tmp_path):
     # and writes one of its own, which a pipeline at pp=4 loads (as it loads the pp=2 one)
     dcp.save({"model": ref.state_dict(), "optim": _flat(ref, ref_opt)}, checkpoint_id=str(tmp_path / "unsplit"),
              no_dist=True)
-    spawn(_pp4, 4, (str(tmp_path),), timeout=300)
+    out = spawn(_pp4, 4, (str(tmp_path),), timeout=300)
+    for r, o in enumerate(out):  # each rank of the meta-device model holds its own chunks' parameters only
+        assert o["real"] == o["local"] < 0.6 * o["full"], (r, o)
+    assert sum(o["local"] for o in out) >= out[0]["full"]
