@@ -1,6 +1,7 @@
 """The pipeline in an ordinary training loop (issue "A citizen of any torch training loop"), on 2 CPU ranks against
 the unsplit model: global gradient clipping (2-norm and inf-norm, tied weights counted once), loading a state
-dict of the unsplit model (a resumed run), forward-only evaluation and bf16 autocast, in one process group."""
+dict of the unsplit model (a resumed run), forward-only evaluation, bf16 autocast and fp16 with a gradient scaler, in
+one process group."""
 import pytest
 
 from dipc.launch import spawn
@@ -55,6 +56,7 @@ def _loop(rank, world):
         pipe.load_state_dict({})
     out.update(_evaluation(rank, pipe, other, batches))
     out.update(_autocast(rank, pipe, other, batches))
+    out.update(_grad_scaler(rank, pipe, other, batches))
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         pipe.clip_grad_norm_(-1.0)
     return out
@@ -156,6 +158,55 @@ def _autocast(rank, pipe, ref, batches):
         if params[n].grad is not None:
             torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7)
     return {"autocast_worst_relative_grad_error": worst}
+
+
+def _grad_scaler(rank, pipe, ref, batches):
+    """fp16 autocast with a gradient scaler: pipe.step(batch, scaler=) seeds the backward with the scaled loss;
+    ShardedGradScaler (its inf check all-reduced over the ranks) unscales; the unscaled gradients match the unsplit
+    model's under GradScaler (fp16 tolerance: within 2^-6 of each gradient's largest element), both take the same
+    SGD steps and keep the same scale; a scale that overflows fp16 makes every rank skip the step and back off."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from dipc.plan import PlanError
+    from dipc.testing import unsplit_loss
+
+    params = dict(ref.named_parameters())
+    for init_scale, overflow in ((2.0 ** 10, False), (2.0 ** 100, True)):
+        scaler = ShardedGradScaler("cpu", init_scale=init_scale, process_group=dist.group.WORLD)
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        before = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        for i in (3, 1):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = pipe.step(batches[i], scaler=scaler)
+                want = unsplit_loss(ref, batches[i])
+            ref_scaler.scale(want).backward()
+            torch.testing.assert_close(loss, want.detach().float(), rtol=2 ** -8, atol=1e-5)
+            scaler.unscale_(opt)
+            ref_scaler.unscale_(ref_opt)
+            if not overflow:
+                for n, p in pipe.named_parameters():
+                    g = params[n].grad
+                    if g is not None:
+                        err = float((p.grad - g).abs().max())
+                        assert err <= 2 ** -6 * float(g.abs().max()) + 1e-7, (rank, i, n, err)
+            scaler.step(opt)
+            scaler.update()
+            ref_scaler.step(ref_opt)
+            ref_scaler.update()
+            assert scaler.get_scale() == ref_scaler.get_scale(), (rank, scaler.get_scale(), ref_scaler.get_scale())
+            if overflow:  # every rank skipped the step: nothing moved anywhere
+                for n, p in pipe.named_parameters():
+                    assert torch.equal(p, before[n]), f"rank {rank}: {n} moved in a step the scaler skipped"
+    with pytest.raises(PlanError, match="gradient scalers disagree"):
+        pipe.step(batches[1], scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** (4 + rank)))
+    pipe.zero_grad()
+    return {"scale": scaler.get_scale()}
 
 
 @pytest.mark.timeout(300)

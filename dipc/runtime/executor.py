@@ -89,6 +89,7 @@ class Executor:
         self.posted: set[int] = set()  # message ids sent or whose receive is posted
         self.failure = None
         self.statuses: list[tuple] = []  # CUDA: (status word, action) of received messages, read at finish()
+        self.loss_scale = 1.0  # a GradScaler's scale: the loss's gradient seed is multiplied by it
         self.uses: dict[str, int] = {}  # forward-only plans: F key -> reads of its outputs still to come on this rank
         if plan.forward_only:
             for a in plan.ranks[rank]:
@@ -297,7 +298,7 @@ class Executor:
         if cm.loss is not None and out[cm.loss].requires_grad:
             mb = self.w.microbatches[a.mb]
             tensors.append(out[cm.loss])
-            grads.append(torch.full_like(out[cm.loss], mb.weight))
+            grads.append(torch.full_like(out[cm.loss], mb.weight * self.loss_scale))
         for name, t in out.items():
             if name in g and isinstance(t, torch.Tensor) and t.requires_grad:
                 tensors.append(t)

@@ -540,7 +540,8 @@ class PipelineRuntime:
 
     def plan_step(self, microbatches: list[Microbatch] | None, schedule: str | None = None,
                   batch: Mapping[str, torch.Tensor] | None = None, given: Plan | None = None,
-                  early: BaseException | None = None, forward_only: bool = False) -> tuple[StepWorkload, Plan]:
+                  early: BaseException | None = None, forward_only: bool = False,
+                  loss_scale: float = 1.0) -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
         checks step and digest on every rank.
 
@@ -670,8 +671,9 @@ class PipelineRuntime:
         from ..wire import _wait
 
         # one all-reduce tells every rank whether all built the step, agree on its index and on its digest
+        bits = int(torch.tensor([loss_scale], dtype=torch.float64).view(torch.int64).item())  # the GradScaler's
         same = torch.tensor([1 if mine == theirs else 0, self.step_index, -self.step_index,
-                             0 if local_err else 1], dtype=torch.int64, device=self.device)
+                             0 if local_err else 1, bits, -bits], dtype=torch.int64, device=self.device)
         _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
               f"every rank's check of step {self.step_index}'s plan")
         if int(same[3].item()) == 0:  # some rank failed alone: the lowest one tells every rank what happened
@@ -694,6 +696,10 @@ class PipelineRuntime:
             raise PlanError(f"the ranks are at different steps (from step {lo} to step {hi}; this rank, rank "
                             f"{self.rank}, is at step {self.step_index}): every rank must call step() for every "
                             "batch (a rank that skipped or repeated a step leaves the pipeline out of step)")
+        if int(same[4].item()) != -int(same[5].item()):
+            raise PlanError(f"step {self.step_index}: the ranks' gradient scalers disagree (this rank's scale is "
+                            f"{loss_scale!r}): use one scaler whose inf check spans every rank (ShardedGradScaler "
+                            "with process_group = all ranks), so every rank skips or takes the same steps")
         if int(same[0].item()) == 0:
             who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
                    "another rank's digest differs from this one's")
@@ -712,7 +718,7 @@ class PipelineRuntime:
 
     def step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
              schedule: str | None = None, next_batch: Mapping[str, torch.Tensor] | None = None,
-             plan: Plan | None = None) -> torch.Tensor:
+             plan: Plan | None = None, scaler=None) -> torch.Tensor:
         """Run forward and backward of ``batch`` through the pipeline; gradients accumulate into ``.grad``.
 
         Under ``torch.no_grad()`` or ``torch.inference_mode()`` this is :meth:`eval_step` (forward only).  Under
@@ -734,6 +740,11 @@ class PipelineRuntime:
             plan: a plan made beforehand for this batch split this way (e.g. by :func:`dipc.simulate` or
                 :func:`dipc.runtime.make_plan`; rank 0's is used, checked against the step's stages, validated
                 unless the background planner made it); the report's ``plan_source`` is then "given".
+            scaler: a gradient scaler for fp16 (``torch.amp.GradScaler`` API): the backward starts from the loss
+                times the scale (``scaler.scale(loss).backward()`` of the unsplit model); the returned
+                loss is unscaled.  Use ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler`` with
+                ``process_group`` = every rank of the job, whose ``unscale_`` all-reduces the inf check, so that
+                every rank skips or takes ``scaler.step(opt)`` alike; the ranks check that their scales agree.
 
         Returns:
             the batch loss (0-dim float tensor), identical on every rank.  :attr:`last_report` describes the step
@@ -751,17 +762,21 @@ class PipelineRuntime:
                 raise ValueError("pipe.step under torch.no_grad() runs the forward-only evaluation plan "
                                  "(pipe.eval_step), which takes no next_batch or plan")
             return self.eval_step(batch, n_microbatches, schedule)
+        # scaler.scale() of a one is the scale (and starts the scaler, as scaler.scale(loss) would)
+        scale = 1.0 if scaler is None else float(scaler.scale(torch.ones((), device=self.device)))
+        if not 0 < scale < math.inf:
+            raise ValueError(f"the scaler's scale must be a finite number > 0, got {scale!r}")
         if self.dp_size == 1:
-            return self._step(batch, n_microbatches, schedule, next_batch, plan)
-        return self._dp_guard(lambda: self._step(batch, n_microbatches, schedule, next_batch, plan))
+            return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
+        return self._dp_guard(lambda: self._step(batch, n_microbatches, schedule, next_batch, plan, scale))
 
-    def _step(self, batch, n_microbatches, schedule, next_batch, plan) -> torch.Tensor:
+    def _step(self, batch, n_microbatches, schedule, next_batch, plan, scale: float = 1.0) -> torch.Tensor:
         t0 = time.perf_counter()
         if next_batch is None:
             next_batch = getattr(batch, "next_batch", None)
         schedule = self.schedule if schedule is None else schedule
         batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
-        w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early)
+        w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early, loss_scale=scale)
         mbs = w.microbatches
         info = self._plan_info
         if self.rank == 0 and next_batch is not None:  # planned while this step runs
@@ -775,6 +790,7 @@ class PipelineRuntime:
         try:
             ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
                           yield_after_post=dist.get_backend(self.group) == "gloo")
+            ex.loss_scale = scale
             failure = None
             try:
                 ex.run()
