@@ -292,3 +292,39 @@ def test_a_model_cast_to_bfloat16_as_a_whole():
                 assert err <= 2 ** -6 * float(params[n].grad.float().abs().max()) + 1e-7, (i, n, err)
         model.zero_grad()
         ref.zero_grad()
+
+
+def test_a_materialised_meta_model_refuses_values_nobody_set(tmp_path):
+    """A meta-device model on a 1-rank pipeline: an init that leaves RoPE's non-persistent table unset is refused at
+    construction, naming it; a model whose parameters neither init nor a checkpoint set is refused at the first
+    step, naming them (materialised tensors start as NaN), instead of a silent NaN loss."""
+    import torch
+    import torch.distributed as dist
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.launch import free_port
+    from dipc.models.language import RotaryEmbedding
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        batches = pc.vlm_batches_mixed()
+        with torch.device("meta"):
+            model = pc.vlm(True)
+        compiled = dipc.compile(model, batches[0], 1)
+        with pytest.raises(ValueError, match=r"non-persistent buffer.*rotary_emb\.inv_freq"):
+            compiled.runtime(n_microbatches=2, timeout=60, init=lambda m: None)
+
+        def rope_only(m):
+            if isinstance(m, RotaryEmbedding):
+                m.reset_inv_freq()
+        with torch.device("meta"):
+            model = pc.vlm(True)
+        pipe = dipc.compile(model, batches[0], 1).runtime(n_microbatches=2, timeout=60, init=rope_only)
+        with pytest.raises(ValueError, match="materialised but never set"):
+            pipe.step(batches[1])
+        torch.manual_seed(0)
+        pipe.load_state_dict(pc.vlm(True).state_dict())
+        assert torch.isfinite(pipe.step(batches[1]))
+    finally:
+        dist.destroy_process_group()

@@ -97,6 +97,7 @@ class PipelineRuntime:
         if init is not None and not callable(init):
             raise ValueError(f"init must be a function of a module, got {init!r}")
         self.materialized_bytes = None
+        self._unchecked: list[torch.Tensor] = []
         if is_meta(compiled.model):
             self._materialize(init)
         self._setup_params()
@@ -135,8 +136,10 @@ class PipelineRuntime:
         for name, t in entries:
             if id(t) not in ids_mine or not t.is_meta:
                 continue
-            if id(t) not in new_of:
+            if id(t) not in new_of:  # NaN until init or a checkpoint sets it: unset values are found, not used
                 real = torch.empty_like(t, device=self.device)
+                if real.is_floating_point():
+                    real.fill_(math.nan)
                 new_of[id(t)] = torch.nn.Parameter(real, requires_grad=t.requires_grad) \
                     if isinstance(t, torch.nn.Parameter) else real
             prefix, _, field = name.rpartition(".")
@@ -158,6 +161,15 @@ class PipelineRuntime:
             with torch.no_grad():
                 for mod in owners.values():
                     init(mod)
+        persistent = set(model.state_dict(keep_vars=True))
+        made = {id(v) for v in new_of.values()}
+        unset = [n for n, t in model.named_buffers(remove_duplicate=False)
+                 if n not in persistent and id(t) in made and t.is_floating_point() and bool(t.isnan().any())]
+        if unset:  # no checkpoint holds these: only init can
+            raise ValueError(f"rank {self.rank}: the non-persistent buffer(s) {unset[:5]} of the meta-device model "
+                             "are not initialised: no checkpoint holds them, so the runtime's init= must compute them "
+                             "(e.g. RotaryEmbedding.reset_inv_freq() for RoPE tables)")
+        self._unchecked = list(new_of.values())  # checked for unset values at the first step
         self.materialized_bytes = sum(t.numel() * t.element_size() for t in new_of.values())
 
     def _setup_params(self):
@@ -854,6 +866,15 @@ class PipelineRuntime:
                                "on it (start the processes, or a new process group and runtime, again)")
         n = self.n_microbatches if n_microbatches is None else n_microbatches
         try:
+            if self._unchecked:  # the first step of a materialised model: every value was set by init or a checkpoint
+                names = {id(t): n for n, t in self.state_dict_names().items()}
+                unset = [names.get(id(t), "?") for t in self._unchecked if t.is_floating_point() and
+                         bool(t.isnan().any())]
+                if unset:
+                    raise ValueError(f"rank {self.rank}: {len(unset)} tensor(s) of the meta-device model were "
+                                     f"materialised but never set (e.g. {unset[:3]}): give compiled.runtime(init=...) "
+                                     "or load a checkpoint (pipe.load_checkpoint) before the first step")
+                self._unchecked = []
             from ..codegen.templates import template
             template(schedule)
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
