@@ -119,6 +119,19 @@ def _pp2(rank, world, path):
     model = copy.deepcopy(ref)
     compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 2})
     pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    # saving an optimizer before its first step leaves it untouched (torch would initialise it by a step at lr 0:
+    # SGD's momentum buffers = weight_decay x weight), and loading that checkpoint gives an optimizer without state
+    sgd = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    pipe.save_checkpoint(f"{path}/pre", sgd)
+    assert not sgd.state
+    sgd.zero_grad()
+    pipe.step(batches[1])
+    sgd.step()
+    assert sgd.state
+    pipe.load_checkpoint(f"{path}/pre", sgd)  # the weights go back to the initial ones too
+    assert not any(sgd.state.values())  # torch leaves an empty entry per parameter: no momentum buffer
+    params0 = dict(ref.named_parameters())
+    assert all(torch.equal(p, params0[n]) for n, p in pipe.named_parameters())
     opt = torch.optim.AdamW(pipe.parameters(), lr=LR, eps=EPS)
     for i in range(2):
         opt.zero_grad()

@@ -345,11 +345,30 @@ class PipelineRuntime:
         Raises:
             ValueError: ``optimizer`` holds a parameter that is not this rank's.
         """
+        return self._flat_optimizer(optimizer, init=False)
+
+    def _flat_optimizer(self, optimizer, init: bool) -> dict:
+        """:meth:`optimizer_state_dict`.  torch initialises an optimizer without state by a step at lr 0 (AdamW's
+        step count becomes 1, SGD's momentum buffer weight_decay x the weight), but only when no parameter has a
+        ``.grad``: ``init`` False keeps the optimizer as it is (one zero ``.grad`` stands in meanwhile), True lets
+        it make the state tensors a checkpoint's state is loaded into (the ``.grad`` step aside meanwhile)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         self._check_optimizer(optimizer)
-        return get_optimizer_state_dict(self.compiled.model, optimizer,
-                                        options=StateDictOptions(flatten_optimizer_state_dict=True))
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [(p, p.grad) for p in params]
+        if not optimizer.state and params:
+            if init:
+                for p in params:
+                    p.grad = None
+            elif all(g is None for _, g in grads):
+                params[0].grad = torch.zeros_like(params[0])
+        try:
+            return get_optimizer_state_dict(self.compiled.model, optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        finally:
+            for p, g in grads:
+                p.grad = g
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Mapping) -> None:
         """Load :meth:`optimizer_state_dict`'s form (this rank's names, or a superset) into ``optimizer``.
@@ -423,17 +442,15 @@ class PipelineRuntime:
 
         sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
         if optimizer is not None:
-            # a fresh optimizer has no state tensors to load into: torch initialises them (a step at lr 0), but only
-            # when no parameter has a .grad, so the gradients step aside meanwhile
-            grads = [(p, p.grad) for p in self.parameters()]
-            if not optimizer.state:
-                for p, _ in grads:
-                    p.grad = None
-            try:
-                sd["optim"] = self.optimizer_state_dict(optimizer)
-            finally:
-                for p, g in grads:
-                    p.grad = g
+            # state tensors to load into only when the checkpoint holds state for this rank's parameters (an
+            # optimizer saved before its first step holds none: this one then starts without state too)
+            keys = set(dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
+            names = {n for n, _ in self.named_parameters()}
+            has_state = any(k.startswith("optim.state.") and any(k.startswith(f"optim.state.{n}.") for n in names)
+                            for k in keys)
+            if not has_state:
+                optimizer.state.clear()
+            sd["optim"] = self._flat_optimizer(optimizer, init=has_state)
         if extra:
             sd.update(extra)
         dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)

@@ -81,9 +81,32 @@ def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]
 
     import contextlib
 
-    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
-            torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
-        _Dtypes(gm).run(*vals)
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+                torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
+            _Dtypes(gm).run(*vals)
+    except Exception as first:  # noqa: BLE001 - e.g. masked_scatter on symbolic sizes: the trace's own sizes then
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        def size(d):
+            if isinstance(d, torch.SymInt):
+                return int(d.node.hint) if d.node.hint is not None else 1
+            return int(d)
+
+        out.clear()
+        mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+        try:
+            with mode:
+                args = [torch.empty([size(d) for d in v.shape], dtype=v.dtype, device=v.device)
+                        if isinstance(v, torch.Tensor) else (size(v) if isinstance(v, torch.SymInt) else v)
+                        for v in vals]
+            with mode, torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
+                _Dtypes(gm).run(*args)
+        except Exception as e:  # noqa: BLE001
+            raise PlanError(f"cannot tell the dtypes the capture produces under torch.autocast{amp}: the fake-tensor "
+                            f"run failed symbolically ({type(first).__name__}: {first}) and at the trace's own sizes "
+                            f"({type(e).__name__}: {e})") from e
     cache[amp] = out
     return out
 
