@@ -137,8 +137,12 @@ class CompiledPipeline:
                 raise BatchError(f"instances of modality {inst.modality!r} are declared but the model has modalities "
                                  f"{self.partition.modalities}")
         self.specialized = cap.specialized
-        # a model whose forward differs between train() and eval() (dropout) gets a capture per mode
-        self.mode_dependent = _mode_dependent(model)
+        # a model whose forward differs between train() and eval() (dropout) gets a capture per mode; when its
+        # modules do not say so (F.dropout(h, 0.3, self.training)), the first step in the other mode captures the
+        # example batch in that mode and compares the graphs
+        self.mode_dependent = _mode_dependent(model) or _has_dropout(cap.graph)
+        self._example_batch = example_batch
+        self._modes_seen = {model.training}
         self.program = self._program_from(cap)
         _check_acyclic(self.program, self.partition)
         self.programs: list[Program] = [self.program]
@@ -165,6 +169,17 @@ class CompiledPipeline:
         """Capture ``model(**data)``.  When the first capture fails on a size or branch that depends on data,
         small integer tensors of the batch (not its tokens or labels) are retried as static values - the
         ``.tolist()`` of Hugging Face LLaVA-NeXT's ``image_sizes`` - with a warning naming them."""
+        import contextlib
+
+        # the caller may be inside torch.autocast (a new shape met in an autocast step): a capture is the model's own
+        # graph; autocast is applied when the chunks run
+        with contextlib.ExitStack() as stack:
+            for kind in ("cpu", "cuda"):
+                if torch.is_autocast_enabled(kind):
+                    stack.enter_context(torch.autocast(kind, enabled=False))
+            return self._capture_plain(data, first)
+
+    def _capture_plain(self, data: Mapping[str, Any], first: bool = False) -> Capture:
         try:
             return capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
         except CaptureError as e:
@@ -402,6 +417,14 @@ class CompiledPipeline:
         """
         traced = self.traced(data)
         mode = self.model.training
+        if not self.mode_dependent and mode not in self._modes_seen and getattr(self, "allow_capture", True):
+            self._modes_seen.add(mode)
+            other = self._capture(self._example_batch)
+            def ops(g):  # each op with its constant arguments (dropout's train flag, ...)
+                return [(str(n.target), [repr(a) for a in n.args if not isinstance(a, torch.fx.Node)])
+                        for n in g.nodes if n.op == "call_function"]
+            if ops(other.graph) != ops(self.program.capture.graph):
+                self.mode_dependent = True
         for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
             if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):
                 return prog
@@ -721,6 +744,17 @@ def _mode_dependent(model: torch.nn.Module) -> bool:
                 pass
         for k, v in items:
             if "dropout" in k.lower() and isinstance(v, float) and v > 0:
+                return True
+    return False
+
+
+def _has_dropout(graph: torch.fx.Graph) -> bool:
+    """Whether a capture holds a dropout that is active (p > 0, in training)."""
+    for n in graph.nodes:
+        if n.op == "call_function" and "dropout" in str(n.target):
+            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)
+            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+            if (not isinstance(p, (int, float)) or p > 0) and train is not False:
                 return True
     return False
 

@@ -121,7 +121,11 @@ def _pp2(rank, world, path):
     pipe = compiled.runtime(n_microbatches=2, timeout=120)
     # saving an optimizer before its first step leaves it untouched (torch would initialise it by a step at lr 0:
     # SGD's momentum buffers = weight_decay x weight), and loading that checkpoint gives an optimizer without state
-    sgd = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    # (one param group per module, as VLM recipes give the projector its own lr: a rank may hold none of a group)
+    named = pipe.named_parameters()
+    sgd = torch.optim.SGD([{"params": [p for n, p in named if n.startswith("multi_modal_projector")], "lr": 0.01},
+                           {"params": [p for n, p in named if not n.startswith("multi_modal_projector")]}],
+                          lr=0.1, momentum=0.9, weight_decay=0.01)
     pipe.save_checkpoint(f"{path}/pre", sgd)
     assert not sgd.state
     sgd.zero_grad()

@@ -258,6 +258,62 @@ def test_train_and_eval_modes_select_their_own_captures():
     plain = dipc.compile(WithDropout(0.0), batch, 2)
     assert not plain.mode_dependent
 
+    class FunctionalDropout(WithDropout):  # F.dropout with a literal p: no module or attribute says so
+        def forward(self, input_ids, labels):
+            h = nn.functional.dropout(torch.relu(self.l1(self.emb(input_ids))), 0.5, self.training)
+            return nn.functional.cross_entropy(self.l2(h).flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    fmodel = FunctionalDropout(0.0).eval()  # compiled in eval mode: its capture has no dropout to see
+    fcompiled = dipc.compile(fmodel, batch, 2)
+    assert not fcompiled.mode_dependent
+    with torch.no_grad():
+        fwant = fmodel(**batch)
+    fmodel.train()  # the first step in train mode captures the example in that mode and compares the graphs
+    floss, _ = run_local(fcompiled, batch, 2)
+    assert fcompiled.mode_dependent and abs(float(floss) - float(fwant)) > 1e-3
+    fmodel.eval()
+    torch.testing.assert_close(run_local(fcompiled, batch, 2)[0], fwant, rtol=1e-6, atol=1e-6)
+    assert dipc.compile(FunctionalDropout(0.0), batch, 2).mode_dependent  # compiled in train mode: the graph says
+
+
+def test_a_capture_made_under_autocast_is_the_models_own_graph():
+    """A shape first met inside torch.autocast is captured without it (autocast is applied when the chunks run), so
+    a later float32 step of that shape runs float32 graphs and equals the unsplit model."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    import dipc
+    from dipc.runtime import run_local
+
+    class PerSample(nn.Module):  # a Python loop over the batch: the batch size is fixed per capture
+        def __init__(self):
+            super().__init__()
+            self.emb, self.layers, self.head = nn.Embedding(50, 16), nn.ModuleList(
+                [nn.Linear(16, 16) for _ in range(4)]), nn.Linear(16, 50)
+
+        def forward(self, input_ids, labels):
+            h = torch.stack([self.emb(input_ids)[b] for b in range(input_ids.shape[0])])
+            for layer in self.layers:
+                h = h + torch.relu(layer(h))
+            return nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), labels.flatten())
+
+    torch.manual_seed(0)
+    model = PerSample()
+    ref = copy.deepcopy(model)
+    small = {"input_ids": torch.randint(0, 50, (4, 6)), "labels": torch.randint(0, 50, (4, 6))}
+    big = {"input_ids": torch.randint(0, 50, (6, 6)), "labels": torch.randint(0, 50, (6, 6))}
+    compiled = dipc.compile(model, small, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        run_local(compiled, big, 2)  # the new capture of 6 samples happens here
+    model.zero_grad()
+    loss, plan = run_local(compiled, big, 2)
+    want = ref(**big)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    assert {t.dtype for acts in plan.ranks for a in acts for t in a.tensors} <= {"float32", "int64", "bool"}
+
 
 def test_a_model_cast_to_bfloat16_as_a_whole():
     """model.to(torch.bfloat16) compiles as it is (bf16 parameters, activations and messages); one step per batch

@@ -363,10 +363,13 @@ class PipelineRuntime:
                     p.grad = None
             elif all(g is None for _, g in grads):
                 params[0].grad = torch.zeros_like(params[0])
+        groups = optimizer.param_groups
+        optimizer.param_groups = [g for g in groups if g["params"]]  # torch's flattening trips on an empty group
         try:
             return get_optimizer_state_dict(self.compiled.model, optimizer,
                                             options=StateDictOptions(flatten_optimizer_state_dict=True))
         finally:
+            optimizer.param_groups = groups
             for p, g in grads:
                 p.grad = g
 
@@ -379,8 +382,13 @@ class PipelineRuntime:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         self._check_optimizer(optimizer)
-        set_optimizer_state_dict(self.compiled.model, optimizer, dict(state_dict),
-                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+        groups = optimizer.param_groups  # a group with none of this rank's parameters (per-module learning rates)
+        optimizer.param_groups = [g for g in groups if g["params"]]
+        try:
+            set_optimizer_state_dict(self.compiled.model, optimizer, dict(state_dict),
+                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
+        finally:
+            optimizer.param_groups = groups
 
     def _check_optimizer(self, optimizer) -> None:
         mine = {id(p) for p in self.parameters()}
