@@ -383,10 +383,13 @@ class PipelineRuntime:
 
         self._check_optimizer(optimizer)
         groups = optimizer.param_groups  # a group with none of this rank's parameters (per-module learning rates)
-        optimizer.param_groups = [g for g in groups if g["params"]]
+        kept = [g for g in groups if g["params"]]
+        optimizer.param_groups = list(kept)
         try:
             set_optimizer_state_dict(self.compiled.model, optimizer, dict(state_dict),
                                      options=StateDictOptions(flatten_optimizer_state_dict=True))
+            for old, new in zip(kept, optimizer.param_groups):  # load_state_dict made new group dicts: the loaded
+                old.update({k: v for k, v in new.items() if k != "params"})  # hyperparameters go to the user's
         finally:
             optimizer.param_groups = groups
 
@@ -429,13 +432,25 @@ class PipelineRuntime:
             if set(extra) & set(sd):
                 raise ValueError(f"extra may not use the keys {sorted(set(extra) & set(sd))}")
             sd.update(extra)
-        if self.dp_size == 1 or dist.get_rank(self.dp_group) == 0:  # data parallel: the first replica writes it
+        if self.dp_size == 1:
             dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
-        if self.dp_size > 1:  # and the others return once it is written
-            from ..wire import _wait
+            return
+        from ..wire import _wait
 
-            _wait(dist.all_reduce(torch.zeros(1, device=self.device), group=self.dp_group, async_op=True),
-                  self.timeout, "the data-parallel replicas after writing a checkpoint")
+        failed = torch.zeros(1, device=self.device)
+        err = None
+        try:  # data parallel: the first replica writes it, the others return once it is written
+            if dist.get_rank(self.dp_group) == 0:
+                dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        except BaseException as e:  # noqa: BLE001 - the other replicas must hear of it, not wait
+            failed += 1
+            err = e
+        _wait(dist.all_reduce(failed, group=self.dp_group, async_op=True), self.timeout,
+              "the data-parallel replicas after writing a checkpoint")
+        if err is not None:
+            raise err
+        if float(failed) > 0:
+            raise RuntimeError(f"the first data-parallel replica could not write the checkpoint {checkpoint_id!r}")
 
     def load_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
                         extra: Mapping | None = None) -> None:
@@ -444,7 +459,9 @@ class PipelineRuntime:
         state); ``extra``'s tensors are loaded in place as ``dcp.load`` does.  Round trips are exact.
 
         Raises:
-            RuntimeError (from DCP): an entry this rank needs is not in the checkpoint, or its shape differs.
+            torch.distributed.checkpoint.api.CheckpointException (a ``BaseException``, from DCP) or
+                FileNotFoundError: an entry this rank needs is not in the checkpoint, its shape differs, or there
+                is no checkpoint at ``checkpoint_id`` (then before the optimizer is touched).
         """
         import torch.distributed.checkpoint as dcp
 
@@ -459,12 +476,20 @@ class PipelineRuntime:
             if not has_state:
                 optimizer.state.clear()
             sd["optim"] = self._flat_optimizer(optimizer, init=has_state)
+            # parameters the checkpoint holds no state for (no gradient before it was saved) keep none here either
+            missing = {k for k in sd["optim"] if k.startswith("state.") and f"optim.{k}" not in keys}
+            stateless = [p for n, p in self.named_parameters() if any(k.startswith(f"state.{n}.") for k in missing)]
+            full_optim = sd["optim"]  # DCP reads the entries the checkpoint has; the others stay as initialised
+            sd["optim"] = {k: v for k, v in full_optim.items() if k not in missing}
         if extra:
             sd.update(extra)
         dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
         self.load_state_dict(sd["model"], strict=False)
         if optimizer is not None:
-            self.load_optimizer_state_dict(optimizer, sd["optim"])
+            full_optim.update(sd["optim"])
+            self.load_optimizer_state_dict(optimizer, full_optim)
+            for p in stateless:
+                optimizer.state.pop(p, None)
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:
         """This rank's entries of the state dict, name -> the model's tensor (no copy)."""
