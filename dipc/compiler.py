@@ -261,12 +261,36 @@ class CompiledPipeline:
                 stack.extend(n.all_input_nodes)
         prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
                        sizes=sizes)
+        prog.builder = lambda c, prog=prog: self._build_chunk(prog, c)
         prog.training = self.model.training  # the mode it was captured in (see mode_dependent)
         prog.meta_trace = self._traces_on_meta()  # its graph's device constants say "meta" (see _trace_data)
         if self.device is not None:
             prog.chunk_costs = self._chunk_costs(cap)
             prog.block_costs_of = self._block_costs
         return prog
+
+    def build_only(self, chunks: set[int] | None) -> None:
+        """Keep GraphModules only for ``chunks`` (a pipeline rank's own; ``None``: all): the other chunks' modules of
+        every program are dropped now, later captures build only these, and a module asked for anyway
+        (:meth:`dipc.program.Program.module`, e.g. by :func:`dipc.runtime.run_local` in this process) is built
+        then.  :class:`dipc.runtime.PipelineRuntime` calls it with its rank's chunks."""
+        self._build = None if chunks is None else set(chunks)
+        if self._build is None:
+            return
+        for prog in self.programs:
+            for c, cm in prog.chunks.items():
+                if c not in self._build:
+                    cm.gm = None
+
+    def _build_chunk(self, prog: Program, chunk: int) -> torch.fx.GraphModule:
+        """``chunk``'s GraphModule of ``prog``, generated now from its capture with the model's current tensors."""
+        cap = prog.capture
+        state = dict(self._state)
+        for name, t in cap.constants.items():
+            state.setdefault(name, t)
+        return build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
+                                   len(self.partition.chunks), build={chunk},
+                                   data_symbols=prog.sizes.symbols if prog.sizes is not None else ())[chunk].gm
 
     def _latency_f(self, c) -> sympy.Expr:
         """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),

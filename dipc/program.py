@@ -46,6 +46,20 @@ class Program:
     #: chunk -> CompiledCost with ``f<j>`` / ``a<j>`` per block j of the chunk, made on first use by this function
     block_costs_of: object = dataclasses.field(default=None, repr=False, compare=False)
     _block_costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    #: chunk -> its GraphModule built now (a chunk whose module this process did not build: see
+    #: :meth:`dipc.compiler.CompiledPipeline.build_only`), or None
+    builder: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    def module(self, chunk: int) -> torch.fx.GraphModule:
+        """The GraphModule of ``chunk``, built on first use when this process did not build it.
+
+        Raises:
+            KeyError: ``chunk`` has no node in this capture.
+        """
+        cm = self.chunks[chunk]
+        if cm.gm is None and self.builder is not None:
+            cm.gm = self.builder(chunk)
+        return cm.gm
 
     def block_costs(self, chunk: int, bindings: Mapping) -> list[tuple[float, float]] | None:
         """Per block of ``chunk`` (graph order), ``(forward seconds on the device profile, bytes its nodes save

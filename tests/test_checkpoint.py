@@ -198,6 +198,10 @@ def _pp4(rank, world, path):
     assert all(t.is_meta for t in compiled._tracer().parameters())
     with torch.no_grad():
         torch.testing.assert_close(pipe.eval_step(batches[2]), unsplit_loss(ref, batches[2]), rtol=1e-5, atol=1e-6)
+    # the programs hold modules of this rank's chunks only
+    own = {c.index for c in compiled.partition.chunks if c.rank == rank}
+    built = {c for prog in compiled.programs for c, cm in prog.chunks.items() if cm.gm is not None}
+    assert built and built <= own, (rank, built, own)
     return {"real": real, "local": local, "full": sum(p.numel() * p.element_size() for p in fresh.parameters())}
 
 

@@ -421,3 +421,23 @@ def test_hf_llava_under_bf16_autocast_equals_the_unsplit_model():
                 assert err <= 2 ** -6 * float(g.abs().max()) + 1e-6, (i, n, err)
         model.zero_grad()
         ref.zero_grad()
+
+
+def test_a_chunk_module_not_built_in_this_process_is_built_when_asked_for():
+    """``build_only`` (what a runtime does with its rank's chunks) drops the other chunks' modules; a run of every
+    rank in this process builds them again and equals the unsplit model."""
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.testing import local_check
+
+    torch.manual_seed(0)
+    model = pc.vlm(True)
+    batches = pc.vlm_batches_mixed()
+    compiled = dipc.compile(model, batches[0], 2, sub_microbatch_size={"vision": 2})
+    mine = {c.index for c in compiled.partition.chunks if c.rank == 1}
+    compiled.build_only(mine)
+    assert {c for c, cm in compiled.program.chunks.items() if cm.gm is not None} == mine
+    local_check(model, compiled, batches[1])
+    assert all(cm.gm is not None for cm in compiled.program.chunks.values())

@@ -357,7 +357,7 @@ def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = Non
     for k, prog in workload.programs.items():
         st = workload.graph.stages[k]
         if st.rank in ranks:
-            gm = prog.chunks[st.chunk].gm
+            gm = prog.module(st.chunk)
             if gm is None:
                 raise PlanError(f"chunk {st.chunk} has no module built in this process")
             if getattr(prog, "meta_trace", False):

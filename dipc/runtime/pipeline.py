@@ -98,6 +98,8 @@ class PipelineRuntime:
             raise ValueError(f"init must be a function of a module, got {init!r}")
         self.materialized_bytes = None
         self._unchecked: list[torch.Tensor] = []
+        # this rank generates (and keeps) only its own chunks' modules; another chunk's is built if asked for
+        compiled.build_only({c.index for c in compiled.partition.chunks if c.rank == self.rank})
         if is_meta(compiled.model):
             self._materialize(init)
         self._setup_params()
