@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 __all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError", "chunk_blocks",
-           "recompute_prefix"]
+           "recompute_prefix", "with_outputs", "EXTRA_PREFIX"]
 
 
 class CodegenError(ValueError):
@@ -98,6 +98,9 @@ class ChunkModule:
         n_nodes: number of compute nodes.
         n_blocks: number of the partition's blocks it runs (:func:`chunk_blocks`): the units of per-layer
             recompute.
+        extra: model output key -> name of the node of this chunk's graph that computes it (``logits``): values
+            the module does not return, which forward-only evaluation asks for (:func:`with_outputs`).
+        extra_meta: model output key -> its :class:`ValueMeta`.
     """
 
     chunk: int
@@ -109,6 +112,8 @@ class ChunkModule:
     state_names: list[str]
     n_nodes: int
     n_blocks: int = 1
+    extra: dict[str, str] = dataclasses.field(default_factory=dict)
+    extra_meta: dict[str, ValueMeta] = dataclasses.field(default_factory=dict)
 
 
 def _expr(s):
@@ -161,7 +166,7 @@ def _attach_getitems(graph: torch.fx.Graph) -> None:
 def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple[str, str]],
                         input_keys: Mapping[str, str], loss_node: str, state: Mapping[str, torch.Tensor],
                         n_chunks: int, build: set[int] | None = None,
-                        data_symbols=()) -> dict[int, ChunkModule]:
+                        data_symbols=(), extra_outputs: Mapping[str, str] = {}) -> dict[int, ChunkModule]:
     """Generate the chunk modules of one capture whose compute nodes carry ``dipc_chunk``.
 
     Args:
@@ -175,6 +180,8 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
             ``None`` builds all.
         data_symbols: data-dependent size symbols the runtime computes from the batch
             (:mod:`dipc.passes.datasizes`); sizes in them may cross chunks.
+        extra_outputs: model output key -> capture node name of other model outputs (``logits``,
+            :attr:`dipc.capture.Capture.outputs`): recorded in the chunk that computes each (``ChunkModule.extra``).
 
     Returns:
         chunk index -> :class:`ChunkModule` for every chunk that has compute nodes in this capture.
@@ -270,6 +277,11 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
                 outputs[n.name] = env[n]
                 meta[n.name] = value_meta(n, n in rg)
                 loss = n.name
+        extra, extra_meta = {}, {}
+        for key, name in extra_outputs.items():
+            n = next((n for n in nodes if n.name == name), None)
+            if n is not None and isinstance(n.meta.get("val"), torch.Tensor):
+                extra[key], extra_meta[key] = env[n].name, value_meta(n, False)
         g.output(outputs)
         g.lint()
         gm = None
@@ -277,8 +289,33 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
             gm = _make_module(g, state_names, state, {a.target: sub for a, sub in submods})
         out[c] = ChunkModule(chunk=c, gm=gm, inputs=inputs, outputs=list(outputs), loss=loss, output_meta=meta,
                              state_names=state_names, n_nodes=len(nodes),
-                             n_blocks=len({n.meta.get("dipc_block") for n in nodes}))
+                             n_blocks=len({n.meta.get("dipc_block") for n in nodes}), extra=extra,
+                             extra_meta=extra_meta)
     return out
+
+
+#: prefix of the extra outputs :func:`with_outputs` adds to a chunk module's result (not a valid node name)
+EXTRA_PREFIX = "output:"
+
+
+def with_outputs(gm: torch.fx.GraphModule, nodes: Mapping[str, str]) -> torch.fx.GraphModule:
+    """A copy of the chunk module ``gm`` (sharing its parameters and submodules) that also returns the values of
+    ``nodes`` (output key -> node name in ``gm``'s graph), each under ``EXTRA_PREFIX + key``.
+
+    Raises:
+        CodegenError: a node name is not in ``gm``'s graph.
+    """
+    g = torch.fx.Graph()
+    env: dict = {}
+    res = g.graph_copy(gm.graph, env)
+    by_name = {n.name: env[n] for n in gm.graph.nodes if n in env}
+    res = dict(res)
+    for key, name in nodes.items():
+        if name not in by_name:
+            raise CodegenError(f"output {key!r}: node {name!r} is not in the chunk's graph")
+        res[EXTRA_PREFIX + key] = by_name[name]
+    g.output(res)
+    return torch.fx.GraphModule(gm, g)
 
 
 def _module_of(nodes, attr: torch.fx.Node) -> str:

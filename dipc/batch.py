@@ -254,11 +254,13 @@ class BatchSpec:
         return B, counts
 
     def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int, *,
-              whole_instances: bool = False) -> list[Microbatch]:
+              whole_instances: bool = False, allow_unlabelled: bool = False) -> list[Microbatch]:
         """Validate ``batch`` and cut it into ``n_microbatches`` microbatches (see the module docstring).
 
         ``whole_instances``: each microbatch's instances form one sub-microbatch (the encoders run on the
         microbatch whole, as static schedule templates do) instead of sub-microbatches of ``sub_microbatch_size``.
+        ``allow_unlabelled``: a microbatch may have no labelled token (evaluation without labels: its loss is not
+        used; every weight is then 0).
 
         Raises:
             BatchError: invalid batch (:meth:`validate`), ``n_microbatches`` < 1 or larger than the batch size, or
@@ -305,7 +307,7 @@ class BatchSpec:
             mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0))
         nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
-        if self.loss.kind == "token_mean":
+        if self.loss.kind == "token_mean" and not allow_unlabelled:
             empty = [mb.index for mb, x in zip(mbs, nums) if x == 0]
             if empty:
                 raise BatchError(

@@ -64,6 +64,12 @@ class Capture:
     value_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     values: tuple = ()
     ranges: dict = dataclasses.field(default_factory=dict)
+    #: model output key (a ModelOutput / dict key, or the position in a tuple output as a string) -> node name, for
+    #: each tensor output other than the loss that the loss also needs (``logits``): what forward-only evaluation
+    #: can hand back (:meth:`dipc.runtime.PipelineRuntime.eval_step`'s ``outputs``)
+    outputs: dict = dataclasses.field(default_factory=dict)
+    #: output keys the model returns that the loss does not need (pruned from the graph; not available)
+    dropped_outputs: tuple = ()
 
     def fits(self, data: Mapping[str, Any]) -> bool:
         """True when ``data`` (a batch, microbatch or sub-microbatch) has this trace's keys and, in every dim
@@ -108,6 +114,25 @@ def _loss_output(ep, loss_key) -> str:
     if not hasattr(arg, "name") or getattr(arg, "value", 0) is None:
         raise CaptureError(f"the model's output {loss_key!r} is not a tensor (is the label key in the batch?)")
     return arg.name
+
+
+def _output_nodes(ep) -> dict[str, str]:
+    """Model output key -> node name of every tensor user output (mapping keys; tuple positions as strings)."""
+    import torch.utils._pytree as pytree
+
+    user_outputs = [s for s in ep.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    tree = pytree.tree_unflatten(list(range(len(user_outputs))), ep.call_spec.out_spec)
+    if isinstance(tree, Mapping) or hasattr(tree, "keys"):
+        items = [(str(k), tree[k]) for k in tree.keys()]
+    elif isinstance(tree, (tuple, list)):
+        items = [(str(i), v) for i, v in enumerate(tree)]
+    else:
+        items = []
+    out = {}
+    for key, idx in items:
+        if isinstance(idx, int) and hasattr(user_outputs[idx].arg, "name"):
+            out[key] = user_outputs[idx].arg.name
+    return out
 
 
 def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
@@ -222,6 +247,7 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
             value_inputs[name] = leaf
 
     # keep only the loss as output and drop dead code
+    named_outputs = {k: v for k, v in _output_nodes(ep).items() if v != loss_name}
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     loss_node = next(n for n in graph.nodes if n.name == loss_name)
@@ -233,6 +259,8 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
             raise CaptureError(f"the trace reads the Python value {n.name} = {value_inputs[n.name]!r} as an input; "
                                "dipc needs Python batch values specialised (constants of the trace)")
     gm.recompile()
+    alive = {n.name for n in graph.nodes}
+    kept = {k: v for k, v in named_outputs.items() if v in alive}
 
     # dims that were requested dynamic but came out static
     placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
@@ -249,7 +277,8 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     return Capture(graph_module=gm, state_targets=state_targets, input_keys=input_keys, loss_node=loss_name,
                    specialized=specialized, signature=signature, constants=dict(ep.constants),
                    keys=frozenset(batch), functionalized=functionalized, value_inputs=value_inputs,
-                   values=python_values(batch), ranges=_ranges(ep))
+                   values=python_values(batch), ranges=_ranges(ep), outputs=kept,
+                   dropped_outputs=tuple(k for k in named_outputs if k not in kept))
 
 
 def _ranges(ep) -> dict:

@@ -234,7 +234,8 @@ class CompiledPipeline:
         sizes = size_program(cap.graph, cap.input_keys, cap.state_targets, cap.constants)
         chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
                                      len(self.partition.chunks), build=self._build,
-                                     data_symbols=sizes.symbols if sizes is not None else ())
+                                     data_symbols=sizes.symbols if sizes is not None else (),
+                                     extra_outputs=cap.outputs)
         bindings = _bindings(cap)
         boundary: dict[str, list[str]] = {}
         mod_of = {c.index: c.modality for c in self.partition.chunks}
@@ -269,6 +270,33 @@ class CompiledPipeline:
             prog.block_costs_of = self._block_costs
         return prog
 
+    @property
+    def outputs(self) -> list[str]:
+        """The model's output keys besides the loss that forward-only evaluation can hand back (``["logits"]`` for
+        a Hugging Face causal LM: the loss is computed from them; outputs the loss does not need are not in the
+        captured graph)."""
+        return list(self.program.capture.outputs)
+
+    def output_reads(self, key: str, batch_key: str) -> bool:
+        """True when the model output ``key`` is computed from the batch tensor ``batch_key`` (in the first
+        capture's graph).
+
+        Raises:
+            KeyError: ``key`` is not one of :attr:`outputs`."""
+        cap = self.program.capture
+        name = cap.outputs[key]
+        stack = [n for n in cap.graph.nodes if n.name == name]
+        seen = set()
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "placeholder" and cap.input_keys.get(n.name) == batch_key:
+                return True
+            stack.extend(n.all_input_nodes)
+        return False
+
     def build_only(self, chunks: set[int] | None) -> None:
         """Keep GraphModules only for ``chunks`` (a pipeline rank's own; ``None``: all): the other chunks' modules of
         every program are dropped now, later captures build only these, and a module asked for anyway
@@ -290,7 +318,8 @@ class CompiledPipeline:
             state.setdefault(name, t)
         return build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
                                    len(self.partition.chunks), build={chunk},
-                                   data_symbols=prog.sizes.symbols if prog.sizes is not None else ())[chunk].gm
+                                   data_symbols=prog.sizes.symbols if prog.sizes is not None else (),
+                                   extra_outputs=cap.outputs)[chunk].gm
 
     def _latency_f(self, c) -> sympy.Expr:
         """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),

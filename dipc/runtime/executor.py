@@ -10,7 +10,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..codegen.stage import recompute_prefix
+from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
 from ..plan import RECVS, SENDS, Plan, PlanError, recomputed_blocks, stage_key, validate
 from ..schedule import Stage
 
@@ -91,6 +91,10 @@ class Executor:
         self.statuses: list[tuple] = []  # CUDA: (status word, action) of received messages, read at finish()
         self.loss_scale = 1.0  # a GradScaler's scale: the loss's gradient seed is multiplied by it
         self.uses: dict[str, int] = {}  # forward-only plans: F key -> reads of its outputs still to come on this rank
+        #: forward-only plans: model output keys to keep (``logits``) and what this rank computed of them,
+        #: (key, microbatch, sub-microbatch) -> tensor
+        self.want_outputs: frozenset = frozenset()
+        self.extra: dict[tuple[str, int, int], torch.Tensor] = {}
         if plan.forward_only:
             for a in plan.ranks[rank]:
                 if a.kind == "SEND_F":
@@ -246,8 +250,13 @@ class Executor:
                 kwargs[inp.name] = t
         mod = self.mods[(id(prog), a.chunk)]
         if self.plan.forward_only:  # evaluation: no autograd graph; outputs live until their last reader here
+            keys = {k: v for k, v in cm.extra.items() if k in self.want_outputs}
+            if keys:
+                mod = self._outputs_module(prog, a.chunk, keys)
             with torch.no_grad():
                 out = mod(**kwargs)
+            for k in keys:
+                self.extra[(k, a.mb, a.sub)] = out.pop(EXTRA_PREFIX + k)
             if cm.loss is not None:
                 self.losses[a.mb] = out[cm.loss].detach()
             self.received.pop(fk, None)
@@ -319,6 +328,16 @@ class Executor:
                 else:
                     self.out_grads.setdefault((fk, pk), {})[pname] = piece
 
+    def _outputs_module(self, prog, chunk: int, nodes: Mapping[str, str]):
+        """The chunk's module returning ``nodes`` too (:func:`dipc.codegen.stage.with_outputs`), built on first use
+        and kept with the chunk modules."""
+        gm = self.mods[(id(prog), chunk)]
+        cache = gm.__dict__.setdefault("_dipc_with_outputs", {})
+        k = tuple(sorted(nodes.items()))
+        if k not in cache:
+            cache[k] = with_outputs(gm, nodes)
+        return cache[k]
+
     def _prefix_module(self, prog, chunk: int, k: int):
         """The chunk's module with its first ``k`` blocks checkpointed (:func:`dipc.codegen.stage.recompute_prefix`),
         built on first use and kept with the chunk modules."""
@@ -389,6 +408,7 @@ def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
                 m.recompile()
     gm.__dict__["_dipc_device"] = device
     gm.__dict__.pop("_dipc_recompute_prefix", None)  # built from the old graph
+    gm.__dict__.pop("_dipc_with_outputs", None)
 
 
 def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:

@@ -8,7 +8,7 @@ import math
 import time
 from collections import defaultdict
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -605,7 +605,7 @@ class PipelineRuntime:
     def plan_step(self, microbatches: list[Microbatch] | None, schedule: str | None = None,
                   batch: Mapping[str, torch.Tensor] | None = None, given: Plan | None = None,
                   early: BaseException | None = None, forward_only: bool = False,
-                  loss_scale: float = 1.0) -> tuple[StepWorkload, Plan]:
+                  loss_scale: float = 1.0, tag: str = "") -> tuple[StepWorkload, Plan]:
         """Build this step's workload and receive (rank 0: make, or take from the background planner) its plan;
         checks step and digest on every rank.
 
@@ -615,7 +615,8 @@ class PipelineRuntime:
         by :func:`dipc.wire.broadcast_json`: no pickle, and the runtime's timeout.
 
         ``forward_only``: an evaluation plan (:func:`dipc.plan.forward_only`, :meth:`eval_step`); the digest every
-        rank checks says so, so a rank evaluating while another trains raises on every rank.
+        rank checks says so, so a rank evaluating while another trains raises on every rank.  ``tag`` is added to
+        the digest (what else every rank must agree on: the outputs an evaluation gathers).
 
         Raises:
             PlanError: rank 0 could not plan the step (on every rank), the ranks disagree on the step's batch or
@@ -635,7 +636,7 @@ class PipelineRuntime:
             try:
                 w = (build_workload(self.compiled, microbatches, amp) if forward_only
                      else self._workload(microbatches, amp))
-                mine = step_digest(self.compiled, w, forward_only)
+                mine = step_digest(self.compiled, w, forward_only) + tag
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
         n = len(microbatches) if microbatches is not None else -1
@@ -906,7 +907,8 @@ class PipelineRuntime:
         self.step_index += 1
         return loss
 
-    def _split(self, batch, n_microbatches, schedule: str):
+    def _split(self, batch, n_microbatches, schedule: str, allow_unlabelled: bool = False,
+               early: BaseException | None = None):
         """The step's arguments checked and its batch split: ``(batch, microbatches, None, n)``, or
         ``(batch, None, the exception, n)`` when they are refused (raised by :meth:`plan_step` on every rank, after
         telling the others: a rank alone would desync them).
@@ -918,6 +920,8 @@ class PipelineRuntime:
                                "on it (start the processes, or a new process group and runtime, again)")
         n = self.n_microbatches if n_microbatches is None else n_microbatches
         try:
+            if early is not None:
+                raise early
             if self._unchecked:  # the first step of a materialised model: every value was set by init or a checkpoint
                 names = {id(t): n for n, t in self.state_dict_names().items()}
                 unset = [names.get(id(t), "?") for t in self._unchecked if t.is_floating_point() and
@@ -934,12 +938,12 @@ class PipelineRuntime:
             if self.device.type != "cpu":
                 batch = {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                          for k, v in batch.items()}
-            return batch, split_for(self.compiled, batch, n, schedule), None, n
+            return batch, split_for(self.compiled, batch, n, schedule, allow_unlabelled), None, n
         except Exception as e:  # noqa: BLE001
             return batch, None, e, n
 
     def eval_step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
-                  schedule: str | None = None) -> torch.Tensor:
+                  schedule: str | None = None, outputs: Sequence[str] | str | None = None):
         """The loss of ``batch`` by a forward-only pipeline (Megatron's ``forward_only=True``): each rank runs its
         forwards in the order of ``schedule``'s plan (default "1f1b"; :func:`dipc.schedules`) with the backwards
         dropped (:func:`dipc.plan.forward_only`), without autograd (nothing is kept for a backward; an output is
@@ -951,34 +955,101 @@ class PipelineRuntime:
         models are deterministic; compile a model with dropout in ``eval()`` mode for evaluation numbers).
 
         Args:
-            batch: as for :meth:`step` (the loss needs its labels).
+            batch: as for :meth:`step`.  With ``outputs``, a token-mean model's labels may be left out (an
+                evaluation for a metric or for generation): they are filled with the loss's ignore index, which only
+                its loss reads (checked: an output computed from the labels is refused), and no loss is returned.
             n_microbatches: default the runtime's.
             schedule: whose forward order to follow; default "1f1b" (no sub-microbatches, no planning search).
+            outputs: model output keys to hand back besides the loss, e.g. ``["logits"]``
+                (:attr:`CompiledPipeline.outputs` lists those the model has): each microbatch's values are sent to
+                the pipeline's last rank and concatenated there in sample order along dim 0 (``logits`` ``[B, S,
+                vocab]`` for the whole ``batch``; 0-dim values are stacked, ``[n_microbatches]``).  Under data
+                parallelism each pipeline's last rank gets its own batch's.
 
         Returns:
-            the batch loss (0-dim float32), identical on every rank and equal to the unsplit model's under
-            ``torch.no_grad()`` up to float rounding.
+            without ``outputs``: the batch loss (0-dim float32), identical on every rank and equal to the unsplit
+            model's under ``torch.no_grad()`` up to float rounding.  With ``outputs``: ``(loss, values)``, ``loss``
+            None when the labels were left out, ``values`` a dict key -> tensor on the last rank and None on the
+            others.
 
         Raises:
+            ValueError: an unknown output key, labels left out without ``outputs``, or an asked-for output that
+                reads the labels (on every rank, before any activation moves).
             as :meth:`step` (on every rank, before any activation moves, for bad input or ranks that disagree,
-            including one rank evaluating while another trains); ``StepFailed`` for a failure inside the plan.
+            including one rank evaluating while another trains or asking for other outputs); ``StepFailed`` for a
+            failure inside the plan.
         """
         if self.dp_size == 1:
-            return self._eval_step(batch, n_microbatches, schedule)
-        return self._dp_guard(lambda: self._dp_reduce(batch, self._eval_step(batch, n_microbatches, schedule),
-                                                      grads=False))
+            return self._eval_step(batch, n_microbatches, schedule, outputs)
+
+        def run():
+            res = self._eval_step(batch, n_microbatches, schedule, outputs)
+            if outputs is None:
+                return self._dp_reduce(batch, res, grads=False)
+            loss, values = res
+            if loss is None:  # no labels: nothing to average, but the replicas still check each other
+                self._dp_reduce(None, torch.zeros(()), grads=False, count=0.0)
+                return None, values
+            return self._dp_reduce(batch, loss, grads=False), values
+        return self._dp_guard(run)
+
+    def _eval_request(self, batch, outputs) -> tuple[tuple[str, ...], Mapping, bool]:
+        """``(output keys, batch, labelled)`` for :meth:`eval_step`: the keys checked, and a batch without labels
+        given labels of the ignore index (``labelled`` False).
+
+        Raises:
+            ValueError: see :meth:`eval_step`."""
+        comp = self.compiled
+        if outputs is None:
+            keys: tuple[str, ...] = ()
+        else:
+            keys = (outputs,) if isinstance(outputs, str) else tuple(outputs)
+            if not keys or not all(isinstance(k, str) for k in keys) or len(set(keys)) != len(keys):
+                raise ValueError(f"outputs must be output keys (distinct strings), got {outputs!r}")
+            have = comp.outputs
+            bad = [k for k in keys if k not in have]
+            if bad:
+                dropped = comp.program.capture.dropped_outputs
+                raise ValueError(f"outputs {bad}: {type(comp.model).__name__} returns {sorted(have) or 'no output'} "
+                                 "besides the loss that an evaluation can hand back"
+                                 + (f" ({list(dropped)} are not computed on the way to the loss, so they are not in "
+                                    "the captured graph)" if dropped else ""))
+        spec = comp.batch_spec.loss
+        if not isinstance(batch, Mapping) or spec.kind != "token_mean" or not spec.labels_key or \
+                spec.labels_key in batch:
+            return keys, batch, True
+        if not keys:
+            raise ValueError(f"the batch has no {spec.labels_key!r}: an evaluation without labels computes no loss; "
+                             "ask for outputs=[...] (e.g. 'logits')")
+        ref = batch.get("input_ids")
+        if not isinstance(ref, torch.Tensor):
+            raise ValueError(f"the batch has no {spec.labels_key!r} and no 'input_ids' to shape labels after")
+        reading = [k for k in keys if comp.output_reads(k, spec.labels_key)]
+        if reading:
+            raise ValueError(f"outputs {reading} of {type(comp.model).__name__} are computed from "
+                             f"{spec.labels_key!r}: they cannot be evaluated without labels")
+        batch = dict(batch)
+        batch[spec.labels_key] = torch.full_like(ref, spec.ignore_index)
+        return keys, batch, False
 
     def _eval_step(self, batch: Mapping[str, torch.Tensor], n_microbatches: int | None = None,
-                   schedule: str | None = None) -> torch.Tensor:
+                   schedule: str | None = None, outputs=None):
         """The body of :meth:`eval_step` (one pipeline)."""
         schedule = "1f1b" if schedule is None else schedule
+        try:
+            keys, batch, labelled = self._eval_request(batch, outputs)
+            refused = None
+        except ValueError as e:
+            keys, labelled, refused = (), True, e
         # planning may capture a new program: that is a training trace, whatever grad mode the caller is in
         with torch.inference_mode(False), torch.enable_grad():
-            batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
-            w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True)
+            batch, mbs, early, n = self._split(batch, n_microbatches, schedule, not labelled, refused)
+            w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True,
+                                     tag=f"|outputs:{','.join(keys)}" if keys else "")
         mbs = w.microbatches
         ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
                       yield_after_post=dist.get_backend(self.group) == "gloo")
+        ex.want_outputs = frozenset(keys)
         failure = None
         try:
             with torch.no_grad():
@@ -987,16 +1058,70 @@ class PipelineRuntime:
         except BaseException as e:  # noqa: BLE001 - drained: every rank learns of it in the status exchange
             failure = e
         local = torch.zeros((), dtype=torch.float64)
-        if failure is None:
+        if failure is None and labelled:
             local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items()), local)
         try:
-            return self._exchange_status(ex, failure, local).to(torch.float32)
+            loss = self._exchange_status(ex, failure, local).to(torch.float32)
         except StepFailed as e:
             if not e.usable:
                 self._broken = f"evaluation at step {self.step_index} ({e})"
             if failure is not None and not isinstance(failure, Exception):
                 raise failure from None
             raise
+        if outputs is None:
+            return loss
+        try:
+            values = self._gather_outputs(ex, w, keys)
+        except TransportError as e:
+            self._broken = f"evaluation at step {self.step_index} ({e})"
+            raise
+        return (loss if labelled else None), values
+
+    _OUTPUTS_TAG = 1 << 30  # message tag of the evaluation outputs sent to the last rank (after every plan message)
+
+    def _gather_outputs(self, ex: Executor, w: StepWorkload, keys) -> dict[str, torch.Tensor] | None:
+        """The evaluation outputs ``keys`` of every microbatch, on the last rank of the pipeline: each rank that
+        computed some sends a JSON header (key, microbatch, sub-microbatch, shape, dtype per tensor) and the
+        tensors; the last rank concatenates them in microbatch (then sub-microbatch) order.  Returns None on the
+        other ranks.
+
+        Raises:
+            TransportError: a message did not arrive within the runtime's timeout."""
+        from ..wire import decode_json, encode_json
+
+        dst = self.world - 1
+        owners = set()
+        for k, st in w.graph.stages.items():
+            if st.kind == "F" and any(x in w.programs[k].chunks[st.chunk].extra for x in keys):
+                owners.add(st.rank)
+        tag = self._OUTPUTS_TAG
+        if self.rank != dst:
+            if self.rank in owners:
+                items = sorted(ex.extra.items())
+                head = torch.frombuffer(bytearray(encode_json(
+                    [[k, m, s, list(t.shape), str(t.dtype).removeprefix("torch.")] for (k, m, s), t in items])),
+                    dtype=torch.uint8).to(self.device)
+                works = [self.transport.isend(torch.tensor([head.numel()], device=self.device), dst, tag),
+                         self.transport.isend(head, dst, tag + 1)]
+                works += [self.transport.isend(t.contiguous(), dst, tag + 2) for _, t in items]
+                for wk in works:
+                    self.transport.wait(wk, "the evaluation outputs' transfer to the last rank")
+            return None
+        got = dict(ex.extra)
+        for r in sorted(owners - {dst}):
+            n = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self.transport.wait(self.transport.irecv(n, r, tag), f"the evaluation outputs' header from rank {r}")
+            head = torch.empty(int(n.item()), dtype=torch.uint8, device=self.device)
+            self.transport.wait(self.transport.irecv(head, r, tag + 1), f"the evaluation outputs' header from rank {r}")
+            for k, m, s, shape, dtype in decode_json(bytes(head.cpu().numpy().tobytes())):
+                t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self.transport.wait(self.transport.irecv(t, r, tag + 2), f"evaluation output {k!r} from rank {r}")
+                got[(k, m, s)] = t
+        values = {}
+        for key in keys:
+            parts = [t for (k, _, _), t in sorted(got.items(), key=lambda kv: kv[0][1:]) if k == key]
+            values[key] = torch.stack(parts) if parts and parts[0].dim() == 0 else torch.cat(parts)
+        return values
 
     # -- data parallelism
     def _dp_broadcast_state(self) -> None:
@@ -1050,7 +1175,7 @@ class PipelineRuntime:
               f"the data-parallel replicas' status after step {self.step_index}")
         return h.cpu()
 
-    def _dp_reduce(self, batch, loss: torch.Tensor, grads: bool) -> torch.Tensor:
+    def _dp_reduce(self, batch, loss: torch.Tensor, grads: bool, count: float | None = None) -> torch.Tensor:
         """The replicas' loss (and, with ``grads``, this step's gradients) as on their concatenated batch: replica
         r's loss weighs ``count_r / sum(count)`` (labelled tokens for a token-mean loss, samples for a sample mean;
         1 for a summed loss), its gradients are scaled so and summed by bucketed all-reduces (``bucket_mb`` MiB
@@ -1062,7 +1187,7 @@ class PipelineRuntime:
                 before the step)."""
         from ..wire import _wait
 
-        count = self._dp_count(batch)
+        count = self._dp_count(batch) if count is None else count
         params = self.parameters()
         flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64) if grads \
             else None

@@ -357,7 +357,8 @@ def _example_units(compiled) -> dict[str, float]:
     return out
 
 
-def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip") -> list[Microbatch]:
+def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip",
+              allow_unlabelled: bool = False) -> list[Microbatch]:
     """``compiled.batch_spec.split`` as ``schedule`` needs it: sub-microbatches for DIP, the encoders on each
     microbatch whole for the static templates.
 
@@ -368,4 +369,5 @@ def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip") -> li
     from ..codegen.templates import template
 
     whole = not template(schedule).sub_microbatches
-    return compiled.batch_spec.split(batch, n_microbatches, whole_instances=whole)
+    return compiled.batch_spec.split(batch, n_microbatches, whole_instances=whole,
+                                     allow_unlabelled=allow_unlabelled)
