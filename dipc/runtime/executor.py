@@ -95,6 +95,9 @@ class Executor:
         #: (key, microbatch, sub-microbatch) -> tensor
         self.want_outputs: frozenset = frozenset()
         self.extra: dict[tuple[str, int, int], torch.Tensor] = {}
+        #: called with each action's index in this rank's plan after it ran (-1 before the first): data
+        #: parallelism starts gradient all-reduces there (:class:`dipc.runtime.data_parallel.GradBuckets`)
+        self.after_action: Callable[[int], None] | None = None
         if plan.forward_only:
             for a in plan.ranks[rank]:
                 if a.kind == "SEND_F":
@@ -117,9 +120,13 @@ class Executor:
         (issue "Faults": a failure reaches every rank at once, not at the timeout).  ``self.failure`` keeps
         ``(action, exception)`` of the first failure."""
         acts = self.plan.ranks[self.rank] if actions is None else actions
+        if self.after_action is not None:
+            self.after_action(-1)
         for i, a in enumerate(acts):
             try:
                 self.do(a)
+                if self.after_action is not None:
+                    self.after_action(i)
             except BaseException as e:
                 origin = e.origin if isinstance(e, _PeerFailed) else self.rank
                 self.failure = (a, e)

@@ -94,6 +94,7 @@ class PipelineRuntime:
             raise ValueError(f"bucket_mb must be a number of MiB > 0, got {bucket_mb!r}")
         self.dp_group, self.bucket_bytes = dp_group, int(bucket_mb * 2 ** 20)
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self._dp_phase, self._dp_buckets = 2, None  # where a data-parallel step is (_dp_guard) and its buckets
         if init is not None and not callable(init):
             raise ValueError(f"init must be a function of a module, got {init!r}")
         self.materialized_bytes = None
@@ -789,7 +790,8 @@ class PipelineRuntime:
         Under ``torch.no_grad()`` or ``torch.inference_mode()`` this is :meth:`eval_step` (forward only).  Under
         ``torch.autocast`` the chunks run under it and the messages carry its dtypes.  With a data-parallel mesh
         (``compiled.runtime(mesh=...)``) ``batch`` is this replica's and the loss and gradients are those of the
-        replicas' batches concatenated (:meth:`_dp_reduce`).
+        replicas' batches concatenated (:meth:`_dp_finish`; the gradient buckets' all-reduces start as the step's
+        last backwards finish them).
 
         Args:
             batch: a dict with the example batch's keys (e.g. ``input_ids [B, S]``, ``pixel_values [N, 3, H, W]``,
@@ -833,7 +835,11 @@ class PipelineRuntime:
             raise ValueError(f"the scaler's scale must be a finite number > 0, got {scale!r}")
         if self.dp_size == 1:
             return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
-        return self._dp_guard(lambda: self._step(batch, n_microbatches, schedule, next_batch, plan, scale))
+
+        def run():
+            self._dp_begin_step(batch, training=True)
+            return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
+        return self._dp_guard(run)
 
     def _step(self, batch, n_microbatches, schedule, next_batch, plan, scale: float = 1.0) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -856,6 +862,10 @@ class PipelineRuntime:
             ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
                           yield_after_post=dist.get_backend(self.group) == "gloo")
             ex.loss_scale = scale
+            buckets = self._dp_buckets if self.dp_size > 1 else None
+            if buckets is not None:  # data parallel: a bucket's all-reduce starts once its last backward ran
+                buckets.schedule(plan, self.rank, self._dp_reads(w))
+                ex.after_action = buckets.after
             failure = None
             try:
                 ex.run()
@@ -877,14 +887,14 @@ class PipelineRuntime:
             zero_unreached_grads(self.compiled, w, {self.rank})
             from ..wire import _wait
 
-            for pid, grp in self._tied:  # a tied weight's ranks sum this step's gradients
-                p = self._param_obj[pid]
+            if self.dp_size > 1:  # the data-parallel replicas' gradients, as on their concatenated batch
+                loss = self._dp_finish(loss, grads=True)
+            for pid, grp in self._tied:  # a tied weight's ranks sum this step's gradients (linear: after the
+                p = self._param_obj[pid]  # data-parallel sum as well as before it)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 _wait(dist.all_reduce(p.grad, group=grp, async_op=True), self.timeout,
                       f"step {self.step_index}'s gradient all-reduce of a tied weight")
-            if self.dp_size > 1:  # the data-parallel replicas' gradients, as on their concatenated batch
-                loss = self._dp_reduce(batch, loss, grads=True)
         except BaseException:
             for p, g in stash:
                 p.grad = g
@@ -983,14 +993,15 @@ class PipelineRuntime:
             return self._eval_step(batch, n_microbatches, schedule, outputs)
 
         def run():
+            self._dp_begin_step(batch, training=False)
             res = self._eval_step(batch, n_microbatches, schedule, outputs)
             if outputs is None:
-                return self._dp_reduce(batch, res, grads=False)
+                return self._dp_finish(res, grads=False)
             loss, values = res
             if loss is None:  # no labels: nothing to average, but the replicas still check each other
-                self._dp_reduce(None, torch.zeros(()), grads=False, count=0.0)
+                self._dp_finish(torch.zeros(()), grads=False)
                 return None, values
-            return self._dp_reduce(batch, loss, grads=False), values
+            return self._dp_finish(loss, grads=False), values
         return self._dp_guard(run)
 
     def _eval_request(self, batch, outputs) -> tuple[tuple[str, ...], Mapping, bool]:
@@ -1139,99 +1150,146 @@ class PipelineRuntime:
         spec = self.compiled.batch_spec
         if spec.loss.kind == "sum":
             return 1.0
-        key = spec.sample_key
-        n = int(batch[key].shape[0]) if key and isinstance(batch.get(key), torch.Tensor) else 1
-        return float(spec.loss.numerator(batch, n))
+        try:
+            key = spec.sample_key
+            n = int(batch[key].shape[0]) if key and isinstance(batch.get(key), torch.Tensor) else 1
+            return float(spec.loss.numerator(batch, n))
+        except Exception:  # noqa: BLE001 - a bad batch (or one without labels): the step refuses it on every rank
+            return 0.0
 
     def _dp_guard(self, run):
-        """Run one pipeline's step; when it raises, tell the other data-parallel replicas (which then raise too)
-        before raising here, so that no replica waits in a gradient all-reduce until the timeout."""
+        """Run one pipeline's step under data parallelism; when it raises before every replica heard of it, tell
+        them (which then raise too) before raising here, so that no replica waits in an all-reduce until the
+        timeout: before the step's first header (:meth:`_dp_start`) that header says "failed"; after it, the
+        gradient buckets still owed are all-reduced (zeros) and the second header says "failed"."""
+        self._dp_phase, self._dp_buckets = 0, None
         try:
             return run()
         except BaseException as e:
             if not getattr(e, "_dipc_dp_told", False):
                 try:
-                    self._dp_header(failed=True, count=0.0, loss=0.0, flags=None, training=False)
+                    if self._dp_phase == 0:
+                        self._dp_start(0.0, training=False, failed=True)
+                    elif self._dp_phase == 1:
+                        if self._dp_buckets is not None:
+                            self._dp_buckets.launch_rest()
+                        self._dp_end(True, 0.0, None)
                 except Exception:  # noqa: BLE001 - the other replicas then meet their own timeout
                     pass
+                if self._dp_buckets is not None:
+                    self._dp_buckets.drain()
             raise
+        finally:
+            self._dp_buckets = None
 
-    _DP_FIELDS = 6  # failed, normaliser, weighted loss, training, step, step^2; then per-parameter gradient flags
-
-    def _dp_header(self, failed: bool, count: float, loss: float, flags, training: bool) -> torch.Tensor:
-        """One float64 all-reduce (sum) over the data-parallel group: [failed replicas, normaliser, weighted loss,
-        replicas that train (not evaluate), step index, its square, per local parameter whether it has a
-        gradient].  The last two tell whether every replica is at the same step."""
+    def _dp_allreduce(self, h: torch.Tensor, what: str) -> torch.Tensor:
         from ..wire import _wait
 
-        n = len(self.local_param_ids)
-        h = torch.zeros(self._DP_FIELDS + n, dtype=torch.float64)
-        h[0], h[1], h[2], h[3] = float(failed), count, loss, float(training)
-        h[4], h[5] = float(self.step_index), float(self.step_index) ** 2
-        if flags is not None:
-            h[self._DP_FIELDS:] = flags
         h = h.to(self.device)
-        _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout,
-              f"the data-parallel replicas' status after step {self.step_index}")
+        _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout, what)
         return h.cpu()
 
-    def _dp_reduce(self, batch, loss: torch.Tensor, grads: bool, count: float | None = None) -> torch.Tensor:
-        """The replicas' loss (and, with ``grads``, this step's gradients) as on their concatenated batch: replica
-        r's loss weighs ``count_r / sum(count)`` (labelled tokens for a token-mean loss, samples for a sample mean;
-        1 for a summed loss), its gradients are scaled so and summed by bucketed all-reduces (``bucket_mb`` MiB
-        per bucket, several in flight; after the step, not overlapped with its last backwards).  A parameter no
-        replica reached keeps no gradient, as in the unsplit model.
+    def _dp_failed(self, why: str) -> StepFailed:
+        e = StepFailed(f"step {self.step_index}: {why}; every replica stopped it and its .grad is as before it",
+                       step=self.step_index, usable=True)
+        e._dipc_dp_told = True
+        return e
+
+    def _dp_start(self, count: float, training: bool, failed: bool = False) -> float:
+        """The step's first header, one float64 all-reduce (sum) over the data-parallel group before any activation
+        moves: [failed replicas, loss normaliser (``count``), replicas that train (not evaluate), step index, its
+        square].  Returns the normaliser's sum (the concatenated batch's).
+
+        Raises:
+            StepFailed: a replica failed before its step began, evaluates while this one trains (or the reverse),
+                or is at another step (every rank of every replica raises)."""
+        D = self.dp_size
+        h = self._dp_allreduce(torch.tensor([float(failed), count, float(training), float(self.step_index),
+                                             float(self.step_index) ** 2], dtype=torch.float64),
+                               f"the data-parallel replicas' status before step {self.step_index}")
+        self._dp_phase = 1
+        why = ""
+        if h[0] > 0:
+            why = f"{int(h[0])} data-parallel replica(s) failed this step"
+        elif float(h[2]) not in (0.0, float(D)):
+            why = (f"{int(h[2])} of the {D} data-parallel replicas trained while the others evaluated (every "
+                   "replica must call step() or eval_step() alike)")
+        elif float(h[4]) * D != float(h[3]) ** 2:
+            why = (f"the data-parallel replicas are at different steps (this one at step {self.step_index}): every "
+                   "replica must call step() for every batch")
+        if why:
+            self._dp_phase = 2
+            raise self._dp_failed(why)
+        return float(h[1])
+
+    def _dp_end(self, failed: bool, weighted_loss: float, flags) -> torch.Tensor:
+        """The step's second header, after its plan ran: [failed replicas, sum of count-weighted losses, per local
+        parameter whether it has a gradient]."""
+        n = len(self.local_param_ids)
+        h = torch.zeros(2 + n, dtype=torch.float64)
+        h[0], h[1] = float(failed), weighted_loss
+        if flags is not None:
+            h[2:] = flags
+        h = self._dp_allreduce(h, f"the data-parallel replicas' status after step {self.step_index}")
+        self._dp_phase = 2
+        return h
+
+    def _dp_begin_step(self, batch, training: bool, count: float | None = None) -> None:
+        """The data-parallel part of a step's start (:meth:`_dp_start`); a training step also gets its gradient
+        buckets (:class:`dipc.runtime.data_parallel.GradBuckets`, all-reduced as its backwards finish them)."""
+        from .data_parallel import GradBuckets
+
+        count = self._dp_count(batch) if count is None else count
+        total = self._dp_start(count, training)
+        self._dp_count_now, self._dp_total = count, total
+        if training:
+            scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
+            self._dp_buckets = GradBuckets(self.parameters(), self.bucket_bytes, self.dp_group, scale, self.timeout)
+
+    def _dp_reads(self, w: StepWorkload):
+        """action -> ids of the parameters its chunk reads (for :meth:`GradBuckets.schedule`)."""
+        from ..plan import stage_key
+
+        memo: dict = {}
+
+        def reads(a):
+            fk = stage_key("F", a.chunk, a.mb, a.sub)
+            prog = w.programs[fk]
+            k = (id(prog), a.chunk)
+            if k not in memo:
+                memo[k] = {id(self.compiled._state[n]) for n in prog.chunks[a.chunk].state_names
+                           if isinstance(self.compiled._state.get(n), torch.nn.Parameter)}
+            return memo[k]
+        return reads
+
+    def _dp_finish(self, loss: torch.Tensor, grads: bool) -> torch.Tensor:
+        """The data-parallel part of a step's end: the loss (and, with ``grads``, this step's gradients) as on the
+        replicas' concatenated batch.  Replica r's loss weighs ``count_r / sum(count)`` (labelled tokens for a
+        token-mean loss, samples for a sample mean; 1 for a summed loss) and so do its gradients, summed by the
+        buckets' all-reduces that started during the step (``bucket_mb`` MiB per bucket).  A parameter no replica
+        reached keeps no gradient, as in the unsplit model.
 
         Raises:
             StepFailed: another replica's step failed (every rank of every replica raises; the gradients are as
                 before the step)."""
-        from ..wire import _wait
-
-        count = self._dp_count(batch) if count is None else count
         params = self.parameters()
-        flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64) if grads \
-            else None
-        h = self._dp_header(False, count, float(loss) * count, flags, training=grads)
-        D = self.dp_size
-        why = ""
-        if h[0] > 0:
-            why = f"{int(h[0])} data-parallel replica(s) failed this step"
-        elif float(h[3]) not in (0.0, float(D)):
-            why = (f"{int(h[3])} of the {D} data-parallel replicas trained while the others evaluated (every "
-                   "replica must call step() or eval_step() alike)")
-        elif float(h[5]) * D != float(h[4]) ** 2:
-            why = (f"the data-parallel replicas are at different steps (this one at step {self.step_index}): every "
-                   "replica must call step() for every batch")
-        if why:
-            e = StepFailed(f"step {self.step_index}: {why}; every replica stopped it and its .grad is as before it",
-                           step=self.step_index, usable=True)
-            e._dipc_dp_told = True
-            raise e
-        total = float(h[1])
-        scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
+        flags = None
+        b = self._dp_buckets
         if grads:
-            live = [p for p, f in zip(params, h[self._DP_FIELDS:].tolist()) if f > 0]
-            for p in live:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if scale != 1.0:
-                    p.grad.mul_(scale)
-            buckets: list[list[torch.Tensor]] = []
-            for p in live:  # same order on every replica (model order): buckets of one dtype up to bucket_mb
-                g = p.grad
-                if not buckets or buckets[-1][0].dtype != g.dtype or \
-                        sum(x.numel() * x.element_size() for x in buckets[-1]) >= self.bucket_bytes:
-                    buckets.append([])
-                buckets[-1].append(g)
-            flats = [torch.cat([g.reshape(-1) for g in b]) for b in buckets]
-            works = [dist.all_reduce(f, group=self.dp_group, async_op=True) for f in flats]
-            for b, f, wk in zip(buckets, flats, works):
-                _wait(wk, self.timeout, f"a data-parallel gradient bucket of step {self.step_index}")
-                o = 0
-                for g in b:
-                    g.copy_(f[o:o + g.numel()].view_as(g))
-                    o += g.numel()
-        out = float(h[2]) if self.compiled.batch_spec.loss.kind == "sum" else (float(h[2]) / total if total else 0.0)
+            b.launch_rest()
+            flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
+        count, total = self._dp_count_now, self._dp_total
+        h = self._dp_end(False, float(loss) * count if count else 0.0, flags)
+        if h[0] > 0:
+            if b is not None:
+                b.drain()
+            raise self._dp_failed(f"{int(h[0])} data-parallel replica(s) failed this step")
+        if grads:
+            b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
+            b.copy_back({id(p) for p, f in zip(params, h[2:].tolist()) if f > 0})
+            # after which of the rank's actions each bucket's all-reduce started (n_actions: after the plan)
+            self.last_dp_buckets = {"started_after": list(b.launched_at), "n_actions": b.n_actions}
+        out = float(h[1]) if self.compiled.batch_spec.loss.kind == "sum" else (float(h[1]) / total if total else 0.0)
         return torch.tensor(out, dtype=torch.float32)
 
     def _exchange_status(self, ex: Executor, failure: BaseException | None, local_loss: torch.Tensor) -> torch.Tensor:
