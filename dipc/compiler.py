@@ -287,6 +287,7 @@ class CompiledPipeline:
         name = cap.outputs[key]
         stack = [n for n in cap.graph.nodes if n.name == name]
         seen = set()
+        sizes = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int}
         while stack:
             n = stack.pop()
             if n in seen:
@@ -294,6 +295,8 @@ class CompiledPipeline:
             seen.add(n)
             if n.op == "placeholder" and cap.input_keys.get(n.name) == batch_key:
                 return True
+            if n.op == "call_function" and n.target in sizes:  # a size read off the tensor, not its values
+                continue
             stack.extend(n.all_input_nodes)
         return False
 

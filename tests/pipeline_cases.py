@@ -71,3 +71,38 @@ def llava_batches_mixed():
     mk = lambda counts, seq, seed: vlm_batch(counts, seq, seed, tpi, cfg.image_token_id, size)  # noqa: E731
     return [mk([1, 1], 3 * tpi, 0), mk([2, 1, 0, 0], 4 * tpi, 1), mk([0, 0, 1, 2], 3 * tpi + 2, 2),
             mk([1, 0, 1, 0], 3 * tpi, 3)]
+
+
+class OutputsVLM(ReferenceVLM):
+    """The reference VLM returning a dict of outputs besides the loss, for forward-only evaluation outputs:
+    ``logits [B, S, V]``; ``feats [n_images, T, D]`` (the projector's output: empty for a batch without images);
+    ``early [n_images, T, Dv]`` (after vision layer 0: computed on rank 0, sent to the last rank); ``masked``
+    (logits times the labels' mask: computed from the labels).  Its sequence-length size symbol comes from
+    ``labels.shape[1]``, which the labels check must not count as reading the labels."""
+
+    def forward(self, input_ids, pixel_values, labels):
+        import torch.nn.functional as F
+
+        from dipc.models.vlm import scatter_image_features
+
+        image_mask = input_ids == self.config.image_token_id
+        vt = self.vision_tower
+        x = vt.patch_embed(pixel_values).flatten(2).transpose(1, 2) + vt.pos_embed
+        x = vt.layers[0](x)
+        early = x
+        for layer in vt.layers[1:]:
+            x = layer(x)
+        feats = self.multi_modal_projector(vt.norm(x))
+        hidden = self.language_model(inputs_embeds=scatter_image_features(self.language_model.embed_tokens(input_ids),
+                                                                          image_mask, feats))
+        logits = self.lm_head(hidden)
+        positions = torch.arange(labels.shape[1], device=labels.device)
+        targets = torch.roll(labels, shifts=-1, dims=1).masked_fill(positions == labels.shape[1] - 1, -100)
+        masked = logits * (labels != -100).unsqueeze(-1)
+        loss = F.cross_entropy(masked.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+        return {"loss": loss, "logits": logits, "feats": feats, "masked": masked, "early": early}
+
+
+def outputs_vlm():
+    cfg = vlm(True).config
+    return OutputsVLM(cfg)

@@ -198,6 +198,10 @@ def _pp4(rank, world, path):
     assert all(t.is_meta for t in compiled._tracer().parameters())
     with torch.no_grad():
         torch.testing.assert_close(pipe.eval_step(batches[2]), unsplit_loss(ref, batches[2]), rtol=1e-5, atol=1e-6)
+    # under bf16 autocast: the meta trace's message dtypes are those autocast gives on this rank's device
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = pipe.step(batches[1]), unsplit_loss(ref, batches[1])
+    torch.testing.assert_close(got.float(), want.detach().float(), rtol=2 ** -8, atol=1e-5)
     # the programs hold modules of this rank's chunks only
     own = {c.index for c in compiled.partition.chunks if c.rank == rank}
     built = {c for prog in compiled.programs for c, cm in prog.chunks.items() if cm.gm is not None}

@@ -55,11 +55,51 @@ def _loop(rank, world):
     with pytest.raises(KeyError, match="missing"):
         pipe.load_state_dict({})
     out.update(_evaluation(rank, pipe, other, batches))
+    out.update(_evaluation_outputs(rank, world, batches))
     out.update(_autocast(rank, pipe, other, batches))
     out.update(_grad_scaler(rank, pipe, other, batches))
     with pytest.raises(ValueError, match="max_norm must be a number >= 0"):
         pipe.clip_grad_norm_(-1.0)
     return out
+
+
+def _evaluation_outputs(rank, world, batches):
+    """Evaluation outputs of a model returning several (pipeline_cases.OutputsVLM): each equals the unsplit model's
+    on the last rank (None elsewhere), with and without labels, text-only microbatches first; an encoder output
+    of a batch without images is empty as the unsplit model's; an output computed on rank 0 reaches the last
+    rank; an output computed from the labels is refused without them, on every rank."""
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+
+    torch.manual_seed(3)
+    model = pc.outputs_vlm()
+    compiled = dipc.compile(model, batches[0], world, sub_microbatch_size={"vision": 2})
+    assert sorted(compiled.outputs) == ["early", "feats", "logits", "masked"], compiled.outputs
+    pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    n = 0
+    keys = ["logits", "feats", "early"]
+    for i in (2, 1, 3):  # batches[2]: the image-free microbatch first; batches[3]: no image at all
+        with torch.no_grad():
+            want = model(**batches[i])
+        for labelled in (True, False):
+            b = batches[i] if labelled else {k: v for k, v in batches[i].items() if k != "labels"}
+            loss, got = pipe.eval_step(b, outputs=keys, n_microbatches=2 if labelled else 4)
+            if labelled:
+                torch.testing.assert_close(loss, want["loss"], rtol=1e-5, atol=1e-6)
+            else:
+                assert loss is None
+            if rank != world - 1:
+                assert got is None
+                continue
+            for k in keys:
+                torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"batch {i}, labels {labelled}, {k}: {m}")
+                n += 1
+    with pytest.raises(ValueError, match="computed from 'labels'"):
+        pipe.eval_step({k: v for k, v in batches[1].items() if k != "labels"}, outputs=["logits", "masked"])
+    return {"outputs_compared": n}
 
 
 def _evaluation(rank, pipe, ref, batches):
@@ -215,6 +255,7 @@ def test_global_gradient_clipping_and_loading_a_state_dict_2_ranks():
     assert out[0]["norm_2.0"] == out[1]["norm_2.0"] and out[0]["norm_inf"] == out[1]["norm_inf"]
     assert out[0]["local_norm"] != out[1]["local_norm"]  # each rank alone sees another norm
     assert out[0]["eval"] == out[1]["eval"]
+    assert out[0]["outputs_compared"] == 0 and out[1]["outputs_compared"] == 18  # 3 batches x 2 x 3 outputs
 
 
 def test_train_and_eval_modes_select_their_own_captures():

@@ -771,6 +771,9 @@ class PipelineRuntime:
                    "another rank's digest differs from this one's")
             if header.get("n_microbatches", n) != n:
                 who += f"; rank 0 split the batch into {header['n_microbatches']} microbatches, this rank into {n}"
+            if str(mine).partition("|")[2] != str(theirs).partition("|")[2]:  # the tag: e.g. the evaluation's outputs
+                who += (f"; rank 0 asked for {str(theirs).partition('|')[2] or 'no outputs'}, this rank for "
+                        f"{str(mine).partition('|')[2] or 'no outputs'}")
             raise PlanError(
                 f"step {self.step_index}: the ranks disagree on the step ({who}; the digest covers the stage graph "
                 "and the batch's integer tensors). Either they were given different batches (every rank of a "
@@ -1101,10 +1104,13 @@ class PipelineRuntime:
         from ..wire import decode_json, encode_json
 
         dst = self.world - 1
-        owners = set()
+        owners, computed = set(), set()
         for k, st in w.graph.stages.items():
-            if st.kind == "F" and any(x in w.programs[k].chunks[st.chunk].extra for x in keys):
+            have = [x for x in keys if st.kind == "F" and x in w.programs[k].chunks[st.chunk].extra]
+            if have:
                 owners.add(st.rank)
+                computed.update(have)
+        empty = {x: self._empty_output(w, x) for x in keys if x not in computed}  # e.g. image features, no image
         tag = self._OUTPUTS_TAG
         if self.rank != dst:
             if self.rank in owners:
@@ -1128,11 +1134,41 @@ class PipelineRuntime:
                 t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
                 self.transport.wait(self.transport.irecv(t, r, tag + 2), f"evaluation output {k!r} from rank {r}")
                 got[(k, m, s)] = t
-        values = {}
+        values = dict(empty)
         for key in keys:
+            if key in empty:
+                continue
             parts = [t for (k, _, _), t in sorted(got.items(), key=lambda kv: kv[0][1:]) if k == key]
-            values[key] = torch.stack(parts) if parts and parts[0].dim() == 0 else torch.cat(parts)
+            values[key] = torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
         return values
+
+    def _empty_output(self, w: StepWorkload, key: str) -> torch.Tensor:
+        """The value of output ``key`` when no stage of the step computes it (an encoder's output for a batch
+        without images): an empty tensor, 0 in dim 0 and the other dims as the capture has them.
+
+        Raises:
+            ValueError: those dims depend on the batch (on every rank: they all see the same step)."""
+        from .workload import autocast_dtypes
+
+        for prog in self.compiled.programs:
+            for cm in prog.chunks.values():
+                meta = cm.extra_meta.get(key)
+                if meta is None:
+                    continue
+                data = w.microbatches[0].data if w.microbatches else {}
+                bind = {sym: int(data[k].shape[d]) for sym, k, d in prog.bindings
+                        if isinstance(data.get(k), torch.Tensor) and d < data[k].dim()}
+                rest = []
+                for d in meta.shape[1:]:
+                    d = d if isinstance(d, int) else d.xreplace(bind)
+                    rest.append(int(d) if isinstance(d, int) or d.is_number else None)
+                if None in rest or not meta.shape:
+                    raise ValueError(f"output {key!r} is computed by no stage of this batch (e.g. an encoder's "
+                                     f"output and no image) and its shape {list(meta.shape)} depends on the batch: "
+                                     "dipc cannot make it empty")
+                dtype = autocast_dtypes(prog, w.amp).get(prog.capture.outputs.get(key), meta.dtype)
+                return torch.empty([0, *rest], dtype=dtype, device=self.device)
+        raise ValueError(f"output {key!r} is computed by no chunk")
 
     # -- data parallelism
     def _dp_broadcast_state(self) -> None:

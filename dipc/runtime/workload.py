@@ -71,6 +71,13 @@ def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
     out: dict[str, torch.dtype] = {}
+    # a meta-device model's trace (DESIGN "per-rank materialisation"): autocast acts on tensors of its device type
+    # only, so the interpretation runs on ``amp``'s device, its graph's device=meta arguments set to that device
+    dev = torch.device(amp[0])
+    on_meta = any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in vals)
+
+    def _dev(x):
+        return dev if isinstance(x, torch.device) and x.type == "meta" else x
 
     class _Dtypes(torch.fx.Interpreter):
         def run_node(self, n):
@@ -79,11 +86,19 @@ def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]
                 out[n.name] = r.dtype
             return r
 
+        def call_function(self, target, args, kwargs):
+            if on_meta:
+                import torch.utils._pytree as pytree
+                args, kwargs = pytree.tree_map(_dev, (args, kwargs))
+            return super().call_function(target, args, kwargs)
+
     import contextlib
 
     try:
         with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
                 torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
+            if on_meta:
+                vals = [v.to(dev) if isinstance(v, torch.Tensor) and v.device.type == "meta" else v for v in vals]
             _Dtypes(gm).run(*vals)
     except Exception as first:  # noqa: BLE001 - e.g. masked_scatter on symbolic sizes: the trace's own sizes then
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -98,7 +113,7 @@ def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]
         mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
         try:
             with mode:
-                args = [torch.empty([size(d) for d in v.shape], dtype=v.dtype, device=v.device)
+                args = [torch.empty([size(d) for d in v.shape], dtype=v.dtype, device=_dev(v.device))
                         if isinstance(v, torch.Tensor) else (size(v) if isinstance(v, torch.SymInt) else v)
                         for v in vals]
             with mode, torch.autocast(amp[0], dtype=getattr(torch, amp[1])):
