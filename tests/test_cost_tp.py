@@ -116,6 +116,7 @@ def test_paper_batches_follow_the_published_statistics():
         paper_vlm_batch(cfg, 1, 0, mix="web")
 
 
+@pytest.mark.slow  # default-suite time: the paper bench's Megatron rung; the one-segment template test covers balance='params' runs
 def test_balance_by_parameters_as_megatron_splits_layers():
     """``balance="params"``: each modality's chunks hold about equal parameter counts (Megatron-LM's split) instead
     of equal time; the pipeline still gives the unsplit model's gradients."""

@@ -226,6 +226,7 @@ def test_calibrate_quick_in_process():
     assert all(b.seconds > 0 and b.predicted > 0 and b.accuracy <= 1 for b in cal.benches)
 
 
+@pytest.mark.slow  # default-suite time: the calibration's Python API is tested in the default suite
 def test_calibrate_command_quick_with_p2p(tmp_path):
     """`python -m dipc.calibrate --quick --cache-level --out X` (two gloo processes for P2P) writes a loadable
     profile."""

@@ -450,6 +450,11 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).  Under ``torch.autocast("cpu", ...)`` the chunks run
     under it and the messages carry its dtypes.
     """
+    meta = [n for n, t in compiled._state.items() if isinstance(t, torch.Tensor) and t.is_meta]
+    if meta:
+        raise PlanError(f"run_local runs every rank's chunks in this process, but {len(meta)} tensor(s) of the model "
+                        f"are on the meta device (e.g. {meta[:3]}: a meta-device model materialised per rank holds "
+                        "only its own chunks' weights); use the distributed runtime")
     mbs = split_for(compiled, batch, n_microbatches, schedule)
     w = build_workload(compiled, mbs, autocast_state(torch.device("cpu")))
     if recompute:
