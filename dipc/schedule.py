@@ -226,26 +226,35 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         if n == 0:
             push(k)
     done = 0
+    # a rank's earliest admissible start changes only when its queue, live bytes, reserves or window change: it is
+    # recomputed for those ranks only ("dirty"), which keeps a step linear in the ranks touched, not in P
+    earliest: list[float | None] = [None] * n_ranks
+    dirty = set(range(n_ranks))
     while done < len(graph.stages):
-        reserves.clear()
         best = None
-        for r in range(n_ranks):
+        for r in sorted(dirty):
+            again = False
             if recompute_cost is not None and limits[r] is not None and queues[r]["F"]:
                 # the oldest queued forward does not fit: recompute it rather than run younger work past it (the
                 # reserve already counted it at its recomputed bytes)
                 oldest = min(queues[r]["F"], key=lambda e: (e[1], e))
                 if not admissible(r, oldest):
-                    recompute_to_fit(r)
+                    again = recompute_to_fit(r)  # it changed a stage: look at this rank again next time
             cands = [t_start[e[-1]] for kd in ("F", "B") for e in queues[r][kd] if admissible(r, e)]
-            if cands:
-                tm = min(cands)
-                if best is None or tm < best[0]:
-                    best = (tm, r)
+            earliest[r] = min(cands) if cands else None
+            if not again:
+                dirty.discard(r)
+        for r in range(n_ranks):
+            tm = earliest[r]
+            if tm is not None and (best is None or tm < best[0]):
+                best = (tm, r)
         if best is None:
             if not any(queues[r][kd] for r in range(n_ranks) for kd in ("F", "B")):
                 raise ValueError("the stage graph has a cycle: "
                                  f"{[k for k, n in remaining.items() if n > 0][:5]} never become ready")
             _make_room(graph, queues, limits, live, need, min(open_stages), recompute_cost, PlanError)
+            reserves.clear()
+            dirty = set(range(n_ranks))
             continue
         _, r = best
         ok = {kd: [e for e in queues[r][kd] if admissible(r, e)] for kd in ("F", "B")}
@@ -261,11 +270,16 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         s = graph.stages[k]
         queues[r][s.kind].remove(pick)
         heapq.heapify(queues[r][s.kind])
+        dirty.add(r)
         if s.kind == "F":
             need[r][s.mb] -= least_of[k]
+            for key in [key for key in reserves if key[0] == r]:
+                del reserves[key]
         open_stages[s.mb] -= 1
         if not open_stages[s.mb]:
             del open_stages[s.mb]
+            reserves.clear()  # every rank's reserves count open microbatches only
+            dirty = set(range(n_ranks))
         left_on[r][s.mb] -= 1
         if not left_on[r][s.mb]:
             del left_on[r][s.mb]
@@ -285,6 +299,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             remaining[e.dst] -= 1
             if remaining[e.dst] == 0:
                 push(e.dst)
+                dirty.add(d.rank)
     return Schedule(order=order, start=start, end=end)
 
 
