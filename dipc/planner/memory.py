@@ -206,24 +206,28 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         cols = [[(vmap[v], x) for v, x in cols[i]] if i in active_set else [] for i in range(len(pairs))]
         ra, rb = first_binding[ra], first_binding[rb]  # the binding rows each pair is live in
         c = np.zeros(n_var)
-        ri, ci, vals = [], [], []
+        ent = []  # (first binding row, rows live, variable, bytes) of each nonzero run of the memory rows
         for i in active:
-            o = cols[i]
             n_live = int(rb[i] - ra[i])
-            for v, x in o:
+            for v, x in cols[i]:
                 c[v] += x[2]
                 if n_live and x[1]:
-                    ri.append(np.arange(ra[i], rb[i]))
-                    ci.append(np.full(n_live, v))
-                    vals.append(np.full(n_live, x[1]))
+                    ent.append((int(ra[i]), n_live, v, x[1]))
+        ri = ci = vals = None
+        if ent:
+            e = np.asarray(ent, dtype=np.float64)
+            lens = e[:, 1].astype(np.int64)
+            within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            ri = np.repeat(e[:, 0].astype(np.int64), lens) + within
+            ci = np.repeat(e[:, 2].astype(np.int64), lens)
+            vals = np.repeat(e[:, 3], lens)
         cons = []
         a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(groups)), [len(g) for g in groups]),
                                                 np.concatenate([np.asarray(g) for g in groups]))),
                               shape=(len(groups), n_var)).tocsr()
         cons.append(LinearConstraint(a_choice, 1, 1))
-        if ri:
-            a_mem = coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))),
-                               shape=(n_rows, n_var)).tocsr()  # duplicates (uniform) sum
+        if ri is not None:
+            a_mem = coo_matrix((vals, (ri, ci)), shape=(n_rows, n_var)).tocsr()  # duplicates (uniform) sum
             cons.append(LinearConstraint(a_mem, -np.inf, M))
         t_solve = time.perf_counter()
         base = sum(graph.stages[pairs[i]].latency + graph.stages["B" + pairs[i][1:]].latency
