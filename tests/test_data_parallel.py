@@ -107,6 +107,14 @@ def _mesh(rank, world):
     for n, p in pipe.named_parameters():
         if n in before:
             assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+    # replicas whose gradient scalers disagree: every rank raises before any activation moves, nothing changes
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** (10 + 2 * dp))
+    with pytest.raises(StepFailed, match="gradient scalers disagree"):
+        pipe.step(steps[1][dp], scaler=scaler)
+    for n, p in pipe.named_parameters():
+        if n in before:
+            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # gradient accumulation over two steps without zero_grad: two backward passes of the unsplit model
     opt.zero_grad()
     ref_opt.zero_grad()
@@ -117,6 +125,10 @@ def _mesh(rank, world):
         if params[n].grad is not None:
             torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"rank {rank}: accumulated {n}: {m}")
+    # replicas built differently (another bucket_mb here; another example batch changes the partition): the
+    # runtime refuses them on every rank before any weight moves
+    with pytest.raises(ValueError, match="built differently: bucket_mb"):
+        compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01 * (1 + dp))
     return worst, early
 
 

@@ -105,6 +105,7 @@ class PipelineRuntime:
             self._materialize(init)
         self._setup_params()
         if self.dp_size > 1:
+            self._dp_check_layout()
             self._dp_broadcast_state()
 
     # -- parameters
@@ -840,7 +841,7 @@ class PipelineRuntime:
             return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
 
         def run():
-            self._dp_begin_step(batch, training=True)
+            self._dp_begin_step(batch, training=True, scale=scale)
             return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
         return self._dp_guard(run)
 
@@ -1171,6 +1172,47 @@ class PipelineRuntime:
         raise ValueError(f"output {key!r} is computed by no chunk")
 
     # -- data parallelism
+    def _dp_layout(self) -> dict:
+        """What the data-parallel replicas must share: the partition (chunk, rank, modality, blocks), this rank's
+        parameters and buffers (names, shapes, dtypes: the broadcast and the gradient buckets follow them) and the
+        bucket size."""
+        import hashlib
+
+        from ..wire import encode_json
+
+        comp = self.compiled
+        chunks = [[c.index, c.rank, c.modality, list(c.blocks)] for c in comp.partition.chunks]
+        state = [[n, list(t.shape), str(t.dtype)] for n, t in self.state_dict_names().items()]
+        return {"chunks": hashlib.sha256(encode_json(chunks)).hexdigest()[:16],
+                "state": hashlib.sha256(encode_json(state)).hexdigest()[:16], "bucket_bytes": self.bucket_bytes}
+
+    def _dp_check_layout(self) -> None:
+        """Before any weight moves between replicas: every replica compiled the same partition, holds the same
+        tensors on this pipeline rank and buckets gradients alike (else the broadcast and the all-reduces would pair
+        unlike tensors).  One all-gather over the data-parallel group, then one all-reduce over the pipeline, so
+        that every rank of every replica raises alike.
+
+        Raises:
+            ValueError: the replicas differ (names what differs: compiled from other example batches or options,
+                another ``bucket_mb``)."""
+        from ..wire import _wait, all_gather_json
+
+        mine = self._dp_layout()
+        every = all_gather_json(mine, self.dp_group, self.device, self.timeout,
+                                what="data-parallel replicas' layouts")
+        diff = sorted({k for o in every for k in o if o[k] != mine[k]})
+        bad = torch.tensor([1.0 if diff else 0.0], dtype=torch.float64, device=self.device)
+        _wait(dist.all_reduce(bad, group=self.group, async_op=True), self.timeout,
+              "the pipeline's agreement on the data-parallel layout")
+        if diff or float(bad.item()) > 0:
+            what = {"chunks": "the partition (compile every replica from the same example batch and options)",
+                    "state": "the parameters and buffers of this pipeline rank",
+                    "bucket_bytes": "bucket_mb"}
+            detail = "; ".join(what[k] for k in diff) if diff else "another pipeline rank's replicas differ"
+            raise ValueError(f"rank {self.rank}: the data-parallel replicas were built differently: {detail}; "
+                             "every replica must compile the same model, example batch and options and pass the "
+                             f"same bucket_mb (this rank: {mine})")
+
     def _dp_broadcast_state(self) -> None:
         """Every data-parallel replica starts from the first replica's parameters and buffers (as DDP does)."""
         from ..wire import _wait
@@ -1231,17 +1273,19 @@ class PipelineRuntime:
         e._dipc_dp_told = True
         return e
 
-    def _dp_start(self, count: float, training: bool, failed: bool = False) -> float:
+    def _dp_start(self, count: float, training: bool, failed: bool = False, scale: float = 1.0) -> float:
         """The step's first header, one float64 all-reduce (sum) over the data-parallel group before any activation
         moves: [failed replicas, loss normaliser (``count``), replicas that train (not evaluate), step index, its
-        square].  Returns the normaliser's sum (the concatenated batch's).
+        square, log2 of the gradient scaler's scale, its square].  Returns the normaliser's sum (the concatenated
+        batch's).
 
         Raises:
             StepFailed: a replica failed before its step began, evaluates while this one trains (or the reverse),
-                or is at another step (every rank of every replica raises)."""
+                is at another step or has another gradient scale (every rank of every replica raises)."""
         D = self.dp_size
+        ls = math.log2(scale) if 0 < scale < math.inf else 0.0
         h = self._dp_allreduce(torch.tensor([float(failed), count, float(training), float(self.step_index),
-                                             float(self.step_index) ** 2], dtype=torch.float64),
+                                             float(self.step_index) ** 2, ls, ls * ls], dtype=torch.float64),
                                f"the data-parallel replicas' status before step {self.step_index}")
         self._dp_phase = 1
         why = ""
@@ -1253,6 +1297,9 @@ class PipelineRuntime:
         elif float(h[4]) * D != float(h[3]) ** 2:
             why = (f"the data-parallel replicas are at different steps (this one at step {self.step_index}): every "
                    "replica must call step() for every batch")
+        elif abs(float(h[6]) * D - float(h[5]) ** 2) > 1e-9 * max(1.0, float(h[6]) * D):
+            why = (f"the data-parallel replicas' gradient scalers disagree (this one's scale is {scale!r}): use one "
+                   "scaler whose inf check spans every rank (ShardedGradScaler with process_group = all ranks)")
         if why:
             self._dp_phase = 2
             raise self._dp_failed(why)
@@ -1270,13 +1317,13 @@ class PipelineRuntime:
         self._dp_phase = 2
         return h
 
-    def _dp_begin_step(self, batch, training: bool, count: float | None = None) -> None:
+    def _dp_begin_step(self, batch, training: bool, count: float | None = None, scale: float = 1.0) -> None:
         """The data-parallel part of a step's start (:meth:`_dp_start`); a training step also gets its gradient
         buckets (:class:`dipc.runtime.data_parallel.GradBuckets`, all-reduced as its backwards finish them)."""
         from .data_parallel import GradBuckets
 
         count = self._dp_count(batch) if count is None else count
-        total = self._dp_start(count, training)
+        total = self._dp_start(count, training, scale=scale)
         self._dp_count_now, self._dp_total = count, total
         if training:
             scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
