@@ -201,7 +201,6 @@ def test_bad_limits_and_schedules_are_refused_before_planning(vlm2):
 
 
 def test_the_plan_and_the_simulator_count_the_same_optimizer_states():
-    import dataclasses
     from dipc.device import DeviceProfile
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)
