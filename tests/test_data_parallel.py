@@ -1,13 +1,11 @@
-"""Data parallelism x pipeline parallelism (issue "A citizen of any torch training loop", point 6): 4 processes as a
-[dp=2, pp=2] DeviceMesh, each replica a 2-rank pipeline with its own batch (a text-only microbatch first in one
+"""Data parallelism x pipeline parallelism (issue "A citizen of any torch training loop", point 6): 4 processes
+launched by torchrun as a [dp=2, pp=2] DeviceMesh, each replica a 2-rank pipeline with its own batch (a text-only microbatch first in one
 replica, last in the other); after each step the replicas' gradients are all-reduced so that loss, every gradient
 and the parameters after AdamW equal the unsplit model's on the two batches concatenated; the replicas' evaluation
 loss is the concatenated batch's too; a replica whose step fails makes every rank of both raise; gradients accumulate
 over steps without zero_grad as two backward passes of the unsplit model do (tied embedding across the pipeline's
 ranks throughout)."""
 import pytest
-
-from dipc.launch import spawn
 
 
 def _cat(a, b):
@@ -132,9 +130,41 @@ def _mesh(rank, world):
     return worst, early
 
 
+_MAIN = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from test_data_parallel import _mesh
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+res = _mesh(rank, world)
+json.dump(list(res), open(os.path.join({out!r}, "rank%d.json" % rank), "w"))
+"""
+
+
+def _torchrun(tmp_path, nprocs):
+    """``_mesh`` on ``nprocs`` processes launched by torchrun (the README's launch: its environment, loopback
+    rendezvous); returns each rank's result."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dipc.launch import free_port
+
+    main = tmp_path / "dp_main.py"
+    main.write_text(_MAIN.format(tests=os.path.dirname(__file__), out=str(tmp_path)))
+    env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(main)],
+                         capture_output=True, text=True, timeout=280, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(nprocs)]
+
+
 @pytest.mark.timeout(300)
-def test_dp_by_pp_mesh_equals_the_unsplit_model_on_the_concatenated_batch():
-    out = spawn(_mesh, 4, timeout=240)
+def test_dp_by_pp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(tmp_path):
+    out = _torchrun(tmp_path, 4)
     assert max(e for e, _ in out) < 1e-6
     # the gradient all-reduce overlaps the step: some bucket started before a rank's last action
     assert sum(n for _, n in out) > 0, out
