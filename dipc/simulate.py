@@ -280,7 +280,7 @@ def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
 def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
              optimizer_states: int = 2, recompute=False, memory_limit: float | None = None,
              schedule: str = "dip", budget_s: float = 0.0, seed: int = 0,
-             memory_opt: str = "ilp") -> tuple[SimResult, Plan]:
+             memory_opt: str = "ilp", search_workers: int = 1) -> tuple[SimResult, Plan]:
     """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
 
     Stage latencies and activation bytes are those the planner used: with a device profile
@@ -308,7 +308,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
 
     ``budget_s``: seconds of DIP's MCTS segment reordering (§2.3) on top of the interleaver (0: the interleaver
     alone), deterministic under ``seed`` when the budget does not cut it; ``memory_opt``: "ilp" (DIP's per-rank
-    memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks).  See
+    memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks); ``search_workers``:
+    processes scoring the search's rollouts in parallel (capped at half the host's cores).  See
     :func:`dipc.runtime.make_plan`.
 
     Returns:
@@ -325,7 +326,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     if recompute:
         set_recompute(w, recompute)
     plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,
-                     budget_s=budget_s, seed=seed, memory_opt=memory_opt, static_bytes=static_bytes)
+                     budget_s=budget_s, seed=seed, memory_opt=memory_opt, static_bytes=static_bytes,
+                     search_workers=search_workers)
     return simulate_workload(compiled, w, plan, comm_time=comm_time, static_bytes=static_bytes,
                              optimizer_states=optimizer_states), plan
 

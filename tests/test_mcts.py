@@ -52,6 +52,31 @@ def test_mcts_on_a_function_with_one_best_order_and_determinism():
     assert not a.exhausted and a.iterations == 30
 
 
+def test_parallel_workers_find_what_one_finds(monkeypatch):
+    """Leaf-parallel rollouts (§2.3's parallel workers) on forked processes: a seeded search gives the same order,
+    score and rollout count with 2 workers as with 1, on the stage graph whose optimum exhaustive search knows, and
+    search_priorities hands back the schedule of the order found (scored in the workers, built again here)."""
+    import dipc.planner.mcts as M
+    from dipc.planner.search import search_priorities
+
+    monkeypatch.setattr(M, "max_workers", lambda: 2)  # this host may have 2 cores: half is 1
+    graph = vlm_graph(2, [0, 5, 1], b_i=2, tf_v=0.35, tf_t=1.0, text_k=1)
+    groups = sorted({(st.mb, st.modality) for st in graph.stages.values()})
+
+    def score(perm):
+        return list_schedule(_with_priorities(graph, perm), 2).iteration_time
+
+    one = mcts(groups, score, budget_s=60.0, seed=1, max_iterations=12, start=groups)
+    two = mcts(groups, score, budget_s=60.0, seed=1, max_iterations=12, start=groups, workers=2)
+    assert (one.order, one.time, one.rollouts, one.iterations) == (two.order, two.time, two.rollouts, two.iterations)
+    full = mcts(groups, score, budget_s=60.0, seed=0, start=groups, workers=2)
+    assert full.exhausted and full.time == pytest.approx(min(score(list(p)) for p in itertools.permutations(groups)))
+    found, res = search_priorities(graph, 2, None, None, None, 60.0, 0, workers=2, max_iterations=12)
+    assert found is not None and found[0].iteration_time == pytest.approx(res.time)
+    with pytest.raises(ValueError, match="workers must be an int >= 1"):
+        mcts(groups, score, workers=0)
+
+
 def test_mcts_refuses_bad_arguments():
     with pytest.raises(ValueError, match="distinct"):
         mcts(["a", "a"], lambda p: 1.0)

@@ -18,8 +18,12 @@ The tree: a node at depth d fixes the groups at positions 0 .. d-1.  One iterati
 
 It stops when ``budget_s`` seconds have passed, ``max_iterations`` iterations have run, or the whole tree is
 explored (every leaf scored: then the result is the exhaustive optimum).  Deterministic for a seed when the budget
-does not cut it (``max_iterations`` bounds it instead).  Single-threaded: the paper's parallel workers sharing the
-statistics (at most half the host's cores) are not built.
+does not cut it (``max_iterations`` bounds it instead).
+
+Parallel workers (§2.3: "parallel workers sharing the statistics", at most half the host's cores): with
+``workers`` > 1 an expansion's rollouts are scored by that many forked processes at once (leaf parallelism: the
+tree and its statistics stay in this process, so every worker's score reaches the same tree), and the
+permutations are drawn here, so a seeded search finds the same result with any number of workers.
 
 Pure: the score is a callable; :func:`dipc.runtime.make_plan` supplies the interleaver + memory ILP.
 """
@@ -31,7 +35,7 @@ import random
 import time
 from typing import Callable, Hashable, Sequence
 
-__all__ = ["SearchResult", "mcts"]
+__all__ = ["SearchResult", "mcts", "max_workers"]
 
 
 @dataclasses.dataclass
@@ -72,9 +76,24 @@ class _Node:
         self.done = not self.untried  # a leaf: every position fixed
 
 
+def max_workers() -> int:
+    """Search workers this host allows: half its cores (at least 1)."""
+    import os
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, n // 2)
+
+
+_SCORE = None  # the score of the search the forked workers serve (inherited at fork, never pickled)
+
+
+def _score_in_worker(perm):
+    return _SCORE(perm)
+
+
 def mcts(groups: Sequence[Hashable], score: Callable[[list], float], *, budget_s: float = 1.0, seed: int = 0,
          alpha: float = 1.0, beta: float = math.sqrt(2.0), rollouts: int = 10, max_iterations: int | None = None,
-         start: Sequence[Hashable] | None = None) -> SearchResult:
+         start: Sequence[Hashable] | None = None, workers: int = 1) -> SearchResult:
     """Search the permutation of ``groups`` that minimises ``score`` (seconds), as described in the module
     docstring.
 
@@ -88,10 +107,13 @@ def mcts(groups: Sequence[Hashable], score: Callable[[list], float], *, budget_s
         max_iterations: stop after this many iterations (deterministic runs).
         start: a permutation scored first (e.g. the interleaver's default order): the reference time, and the
             result if nothing better is found.
+        workers: processes scoring an expansion's rollouts at once (capped at :func:`max_workers`; 1: in this
+            process).  ``score`` then runs in forked children: what it records on the side stays there (the
+            caller scores ``order`` again to get it).
 
     Raises:
-        ValueError: repeated groups, ``budget_s`` <= 0, ``rollouts`` < 1, or ``start`` not a permutation of
-            ``groups``.
+        ValueError: repeated groups, ``budget_s`` <= 0, ``rollouts`` < 1, ``workers`` < 1, or ``start`` not a
+            permutation of ``groups``.
     """
     groups = list(groups)
     if len(set(groups)) != len(groups):
@@ -100,6 +122,25 @@ def mcts(groups: Sequence[Hashable], score: Callable[[list], float], *, budget_s
         raise ValueError(f"budget_s must be > 0, got {budget_s!r}")
     if rollouts < 1:
         raise ValueError(f"rollouts must be >= 1, got {rollouts!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    workers = min(workers, max_workers())
+    if workers > 1:
+        import multiprocessing
+
+        global _SCORE
+        _SCORE = score
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        try:
+            return _mcts(groups, score, budget_s, seed, alpha, beta, rollouts, max_iterations, start, pool)
+        finally:
+            pool.terminate()
+            pool.join()
+            _SCORE = None
+    return _mcts(groups, score, budget_s, seed, alpha, beta, rollouts, max_iterations, start, None)
+
+
+def _mcts(groups, score, budget_s, seed, alpha, beta, rollouts, max_iterations, start, pool) -> SearchResult:
     if start is not None and sorted(map(repr, start)) != sorted(map(repr, groups)):
         raise ValueError("start must be a permutation of groups")
     t0 = time.perf_counter()
@@ -107,15 +148,30 @@ def mcts(groups: Sequence[Hashable], score: Callable[[list], float], *, budget_s
     seen: dict[tuple, float] = {}
     res = SearchResult(order=list(start) if start is not None else list(groups), time=math.inf)
 
+    def record(perm: list, t: float) -> None:
+        seen[tuple(perm)] = t
+        res.rollouts += 1
+        if t < res.time:
+            res.order, res.time = list(perm), t
+            res.history.append((time.perf_counter() - t0, res.time))
+
     def evaluate(perm: list) -> float:
         key = tuple(perm)
         if key not in seen:
-            seen[key] = score(perm)
-            res.rollouts += 1
-            if seen[key] < res.time:
-                res.order, res.time = list(perm), seen[key]
-                res.history.append((time.perf_counter() - t0, res.time))
+            record(perm, score(perm))
         return seen[key]
+
+    def evaluate_many(perms: list[list]) -> list[float]:
+        """Score ``perms`` (in order, as :func:`evaluate` would one by one) on the worker pool."""
+        todo, keys = [], set()
+        for p in perms:
+            k = tuple(p)
+            if k not in seen and k not in keys:
+                keys.add(k)
+                todo.append(p)
+        for p, t in zip(todo, pool.map(_score_in_worker, todo)):
+            record(p, t)
+        return [seen[tuple(p)] for p in perms]
 
     t_ref = evaluate(list(start) if start is not None else list(groups))
     if not math.isfinite(t_ref) or t_ref <= 0:
@@ -156,12 +212,20 @@ def mcts(groups: Sequence[Hashable], score: Callable[[list], float], *, budget_s
         # roll out
         best = 0.0
         rest = [x for x in groups if x not in used]
-        for _ in range(1 if child.done else rollouts):
-            rnd.shuffle(rest)
-            t = evaluate(list(child.prefix) + rest)
-            best = max(best, t_ref / t if t > 0 else 0.0)
-            if time.perf_counter() - t0 >= budget_s:
-                break
+        if pool is None:
+            for _ in range(1 if child.done else rollouts):
+                rnd.shuffle(rest)
+                t = evaluate(list(child.prefix) + rest)
+                best = max(best, t_ref / t if t > 0 else 0.0)
+                if time.perf_counter() - t0 >= budget_s:
+                    break
+        else:  # the same permutations, drawn here, scored at once
+            perms = []
+            for _ in range(1 if child.done else rollouts):
+                rnd.shuffle(rest)
+                perms.append(list(child.prefix) + rest)
+            for t in evaluate_many(perms):
+                best = max(best, t_ref / t if t > 0 else 0.0)
         # backpropagate
         for p in path:
             p.n += 1

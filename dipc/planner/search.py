@@ -50,7 +50,7 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
         budget_s, seed: the search's time budget (seconds, > 0) and seed.
         ilp: phase 3 by the memory ILP (else the admission's own recompute only).
         mcts_options: passed to :func:`dipc.planner.mcts.mcts` (``alpha``, ``beta``, ``rollouts``,
-            ``max_iterations``).
+            ``max_iterations``, ``workers``: parallel rollout processes).
 
     Returns:
         ``((schedule, stage graph with the chosen priorities and strategies) or None if no rollout fit,
@@ -77,4 +77,7 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
         return sched.iteration_time
 
     res: SearchResult = mcts(groups, score, budget_s=budget_s, seed=seed, start=groups, **mcts_options)
+    if mcts_options.get("workers", 1) > 1 and math.isfinite(res.time):
+        best.clear()  # the workers' schedules stayed in them: the best permutation's again, here
+        score(res.order)
     return best.get("found"), res

@@ -65,7 +65,8 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
 
 def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
               memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2,
-              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None) -> Plan:
+              budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None,
+              search_workers: int = 1) -> Plan:
     """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
     (for callers that validate it themselves).
 
@@ -83,7 +84,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     ablation).  ``budget_s`` > 0 (DIP only): then MCTS reorders the (microbatch, modality) groups' priorities for
     up to that many seconds (:func:`dipc.planner.search.search_priorities`, DIP §2.3, deterministic under ``seed``
     when the budget does not cut it), and the plan is the better of the search's and the interleaver's; its
-    progress is in ``plan.simulated["search"]``.
+    progress is in ``plan.simulated["search"]``.  ``search_workers``: processes scoring its rollouts in parallel
+    (DIP §2.3's parallel workers; at most half the host's cores, :func:`dipc.planner.mcts.max_workers`).
 
     Raises:
         ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
@@ -192,7 +194,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         from ..planner.search import search_priorities
 
         found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
-                                          recompute_cost, budget_s, seed, ilp=ilp)
+                                          recompute_cost, budget_s, seed, ilp=ilp, workers=search_workers)
         # the search's plan only when it is really faster (not a rounding difference of the same schedule) and,
         # under a limit, fits once simulated with its transients and buffers; else the interleaver's stays
         if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
