@@ -86,7 +86,8 @@ def _summary(compiled, w, plan, static_bytes) -> dict:
 
 def _serve(conn, compiled, options: dict) -> None:
     """The planning process's loop (runs after the fork; never returns)."""
-    from ..runtime import build_workload, make_plan, set_recompute, split_for, step_digest
+    from .planning import make_plan
+    from .workload import build_workload, set_recompute, split_for, step_digest
 
     code = 0
     try:

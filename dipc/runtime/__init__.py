@@ -19,10 +19,10 @@ found; it is the same executor with an in-memory transport.
 """
 from .messages import _ALIGN, _layout, _pack, _status, _status_offset, _unpack
 from .transport import TransportError, _completed, _DistTransport, _LocalTransport, _LocalWork
-from .workload import (StepWorkload, _dtype_name, _example_units, _fkey, _input_bytes, _units, autocast_dtypes,
+from ..planner.workload import (StepWorkload, _dtype_name, _example_units, _fkey, _input_bytes, _units, autocast_dtypes,
                        autocast_state, build_workload, memory_options, set_recompute, split_for, step_digest,
                        workload_digest)
-from .planning import (MEMORY_ATTEMPTS, WINDOWS, _buffer_reserve, _copy_stages, _encoder_first_order, _interleave,
+from ..planner.planning import (MEMORY_ATTEMPTS, WINDOWS, _buffer_reserve, _copy_stages, _encoder_first_order, _interleave,
                        _take, _virtual_stages, activation_budget, check_memory_limit, make_plan)
 from .executor import (Executor, StepFailed, _modules_of, _PeerFailed, _rng_state, _set_rng_state, run_local,
                        zero_unreached_grads)

@@ -16,8 +16,8 @@ from ..schedule import Stage
 
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport
-from .workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, set_recompute, split_for
-from .planning import make_plan
+from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, set_recompute, split_for
+from ..planner.planning import make_plan
 
 
 class _PeerFailed(Exception):

@@ -18,8 +18,8 @@ from ..check import is_meta
 from ..plan import Plan, PlanError, validate
 
 from .transport import _DistTransport, TransportError
-from .workload import StepWorkload, autocast_state, build_workload, set_recompute, step_digest, split_for
-from .planning import check_memory_limit, make_plan
+from ..planner.workload import StepWorkload, autocast_state, build_workload, set_recompute, step_digest, split_for
+from ..planner.planning import check_memory_limit, make_plan
 from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
 
 
@@ -1149,7 +1149,7 @@ class PipelineRuntime:
 
         Raises:
             ValueError: those dims depend on the batch (on every rank: they all see the same step)."""
-        from .workload import autocast_dtypes
+        from ..planner.workload import autocast_dtypes
 
         for prog in self.compiled.programs:
             for cm in prog.chunks.values():

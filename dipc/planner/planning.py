@@ -9,7 +9,7 @@ import math
 from collections import defaultdict
 
 from ..plan import Plan, PlanError, validate
-from ..planner.memory import optimize_memory
+from .memory import optimize_memory
 from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
 
 from .workload import StepWorkload, memory_options, _input_bytes
@@ -191,7 +191,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         raise PlanError(f"{e} [activation budgets net of each rank's reserve for transients and message buffers: "
                         f"{net} bytes]") from None
     if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities, once, verified
-        from ..planner.search import search_priorities
+        from .search import search_priorities
 
         found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
                                           recompute_cost, budget_s, seed, ilp=ilp, workers=search_workers)
