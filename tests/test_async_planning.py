@@ -139,6 +139,15 @@ def _scenarios(rank, world):
         if rank == 0:
             assert any("next_batch must be a mapping" in m for m in records), records
         out["wrong"] = pipe.last_report.plan_source
+        # the look-ahead was planned without autocast and its step runs under it: planned again, and it says why
+        pipe.step(steps[0], next_batch=steps[1])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe.step(steps[1])
+        rep = pipe.last_report
+        assert rep.plan_source == "sync" and pipe.fallbacks == 0, (rep.plan_source, rep.fallback_reason)
+        if rank == 0:
+            assert "planned under torch.autocast None" in rep.fallback_reason, rep.fallback_reason
+        pipe.zero_grad()
     finally:
         pipe.close()
 

@@ -129,7 +129,7 @@ def _serve(conn, compiled, options: dict) -> None:
                                  schedule=head["schedule"], budget_s=head["budget_s"], seed=head["seed"])
                 text = plan.to_json()
                 reply.update(digest=step_digest(compiled, w), plan=text, schedule=head["schedule"],
-                             n_microbatches=head["n_microbatches"])
+                             n_microbatches=head["n_microbatches"], amp=head.get("amp"))
             except Exception as e:  # the runtime falls back; the process goes on with the next batch
                 from ..compiler import NeedsCapture
 

@@ -666,13 +666,17 @@ class PipelineRuntime:
                         reply, why = None, (f"the look-ahead was planned with schedule {reply.get('schedule')!r} "
                                             f"and {reply.get('n_microbatches')} microbatches, this step asks for "
                                             f"{name!r} and {n}")
+                    elif reply is not None and (tuple(reply["amp"]) if reply.get("amp") else None) != amp:
+                        reply, why = None, (f"the look-ahead was planned under torch.autocast {reply.get('amp')}, "
+                                            f"this step runs under {list(amp) if amp else None}")
                     elif reply is not None and reply["digest"] != mine:
                         reply, why = None, ("the batch given as next_batch is not the one this step got (its "
                                             "digest differs)")
                     if reply is not None:
                         plan = Plan.from_json(reply["plan"])
                         info.update(source="async", planner_s=reply["seconds"], planner_cpu_s=reply["cpu_seconds"])
-                    elif "needs a capture" in why:  # this process captures it now (it must, to run the step)
+                    elif "needs a capture" in why or "autocast" in why:  # this process captures it now (it must,
+                        # to run the step), or the caller switched autocast: plan it now
                         log.info("dipc: step %d: %s; planning it now", self.step_index, why)
                         info["why"] = why
                     elif "look-ahead" in why or "next_batch" in why:  # the user's look-ahead was wrong: plan it now
