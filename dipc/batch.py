@@ -259,12 +259,13 @@ class BatchSpec:
 
         ``whole_instances``: each microbatch's instances form one sub-microbatch (the encoders run on the
         microbatch whole, as static schedule templates do) instead of sub-microbatches of ``sub_microbatch_size``.
-        ``allow_unlabelled``: a microbatch may have no labelled token (evaluation without labels: its loss is not
-        used; every weight is then 0).
+        A microbatch without a labelled token (under a token-mean loss) weighs 0: it adds nothing to the loss or
+        the gradients, as its tokens add nothing in the unsplit model.  ``allow_unlabelled``: the whole batch may
+        have none (evaluation without labels, or a data-parallel replica whose peers have some; every weight is 0).
 
         Raises:
             BatchError: invalid batch (:meth:`validate`), ``n_microbatches`` < 1 or larger than the batch size, or
-                a microbatch with no labelled token under a token-mean loss.
+                (without ``allow_unlabelled``) a batch with no labelled token under a token-mean loss.
         """
         batch = self.normalize(batch)
         B, counts = self.validate(batch)
@@ -307,13 +308,9 @@ class BatchSpec:
             mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0))
         nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
-        if self.loss.kind == "token_mean" and not allow_unlabelled:
-            empty = [mb.index for mb, x in zip(mbs, nums) if x == 0]
-            if empty:
-                raise BatchError(
-                    f"microbatch(es) {empty} have no labelled token in {self.loss.labels_key!r} (all "
-                    f"{self.loss.ignore_index}); their token-mean loss is undefined: use fewer microbatches or give "
-                    "every sample a label")
+        if self.loss.kind == "token_mean" and not allow_unlabelled and total == 0:
+            raise BatchError(f"the batch has no labelled token in {self.loss.labels_key!r} (all "
+                             f"{self.loss.ignore_index}): its token-mean loss is undefined")
         for mb, x in zip(mbs, nums):
             mb.weight = 1.0 if self.loss.kind == "sum" else (x / total if total else 0.0)
         return mbs

@@ -21,6 +21,7 @@ def _mesh(rank, world):
 
     import dipc
     import pipeline_cases as pc
+    from dipc.batch import BatchError
     from dipc.runtime import StepFailed
     from dipc.testing import unsplit_loss
 
@@ -123,6 +124,27 @@ def _mesh(rank, world):
         if params[n].grad is not None:
             torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"rank {rank}: accumulated {n}: {m}")
+    # a replica whose batch has no labelled token weighs 0 (the concatenated batch's loss is defined); when no
+    # replica's has one, every rank raises and nothing changes
+    unlabelled = dict(steps[0][1])
+    unlabelled["labels"] = torch.full_like(unlabelled["labels"], -100)
+    both = (steps[0][0], unlabelled)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    loss = pipe.step(both[dp])
+    want = unsplit_loss(ref, _cat(*both))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+    for n, p in pipe.named_parameters():
+        if params[n].grad is not None:
+            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}: unlabelled replica: {n}: {m}")
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    with pytest.raises(BatchError, match="no data-parallel replica's batch has a labelled token"):
+        pipe.step(unlabelled)
+    for n, p in pipe.named_parameters():
+        if n in before:
+            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # replicas built differently (another bucket_mb here; another example batch changes the partition): the
     # runtime refuses them on every rank before any weight moves
     with pytest.raises(ValueError, match="built differently: bucket_mb"):

@@ -432,7 +432,8 @@ def test_hf_llava_under_bf16_autocast_equals_the_unsplit_model():
     """Hugging Face LLaVA (masked_scatter of image features: its symbolic fake run fails, so the message dtypes come
     from a fake run at the trace's own sizes) under torch.autocast("cpu", bfloat16), all ranks in one process: loss
     and every gradient as the unsplit model's under the same autocast (bf16 tolerance, plus 1e-6 for the key biases
-    whose true gradient is 0)."""
+    whose true gradient is 0).  And, in fp32, a microbatch without a labelled token weighs 0 (the unsplit model's
+    loss and gradients on the whole batch)."""
     import copy
 
     import torch
@@ -440,7 +441,7 @@ def test_hf_llava_under_bf16_autocast_equals_the_unsplit_model():
     import dipc
     import pipeline_cases as pc
     from dipc.runtime import run_local
-    from dipc.testing import unsplit_loss
+    from dipc.testing import local_check, unsplit_loss
 
     torch.manual_seed(0)
     model = pc.llava()
@@ -462,6 +463,12 @@ def test_hf_llava_under_bf16_autocast_equals_the_unsplit_model():
                 assert err <= 2 ** -6 * float(g.abs().max()) + 1e-6, (i, n, err)
         model.zero_grad()
         ref.zero_grad()
+    # a microbatch without a labelled token (the first, text-only one) weighs 0: loss and gradients as the unsplit
+    # model's on the whole batch, in which its tokens add nothing
+    b = dict(batches[2])
+    b["labels"] = b["labels"].clone()
+    b["labels"][:2] = -100
+    local_check(model, compiled, b, n_microbatches=2, rtol=1e-5, atol=1e-6)
 
 
 def test_a_chunk_module_not_built_in_this_process_is_built_when_asked_for():

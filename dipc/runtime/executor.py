@@ -311,7 +311,9 @@ class Executor:
             for name, t in tensors.items():
                 g[name] = g[name] + t if name in g else t
         tensors, grads = [], []
-        if cm.loss is not None and out[cm.loss].requires_grad:
+        # a microbatch without a labelled token weighs 0: its token-mean loss is 0/0, so it seeds no gradient
+        # (the unsplit model's tokens there add nothing either)
+        if cm.loss is not None and out[cm.loss].requires_grad and self.w.microbatches[a.mb].weight != 0:
             mb = self.w.microbatches[a.mb]
             tensors.append(out[cm.loss])
             grads.append(torch.full_like(out[cm.loss], mb.weight * self.loss_scale))
@@ -475,5 +477,6 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     for e in ex:
         e.finish()
     zero_unreached_grads(compiled, w, set(range(compiled.pp_size)))
-    loss = sum(mb.weight * l for e in ex for m, l in e.losses.items() for mb in [mbs[m]])
+    loss = sum((mb.weight * l for e in ex for m, l in e.losses.items() for mb in [mbs[m]] if mb.weight),
+               torch.zeros(()))
     return loss, plan

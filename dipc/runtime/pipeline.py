@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from ..batch import Microbatch
+from ..batch import BatchError, Microbatch
 from ..check import is_meta
 from ..plan import Plan, PlanError, validate
 
@@ -854,7 +854,8 @@ class PipelineRuntime:
         if next_batch is None:
             next_batch = getattr(batch, "next_batch", None)
         schedule = self.schedule if schedule is None else schedule
-        batch, mbs, early, n = self._split(batch, n_microbatches, schedule)
+        # a data-parallel replica's batch may have no labelled token when another replica's has (checked then)
+        batch, mbs, early, n = self._split(batch, n_microbatches, schedule, allow_unlabelled=self.dp_size > 1)
         w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early, loss_scale=scale)
         mbs = w.microbatches
         info = self._plan_info
@@ -882,7 +883,8 @@ class PipelineRuntime:
                 failure = e
             local = torch.zeros((), dtype=torch.float64)
             if failure is None:
-                local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()), local)
+                local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()
+                             if mbs[m].weight), local)  # a weight-0 microbatch's loss is 0/0
             try:
                 loss = self._exchange_status(ex, failure, local).to(torch.float32)
             except StepFailed as e:
@@ -1078,7 +1080,7 @@ class PipelineRuntime:
             failure = e
         local = torch.zeros((), dtype=torch.float64)
         if failure is None and labelled:
-            local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items()), local)
+            local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items() if mbs[m].weight), local)
         try:
             loss = self._exchange_status(ex, failure, local).to(torch.float32)
         except StepFailed as e:
@@ -1373,6 +1375,10 @@ class PipelineRuntime:
             raise self._dp_failed(f"{int(h[0])} data-parallel replica(s) failed this step")
         if grads:
             b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
+            spec = self.compiled.batch_spec.loss
+            if spec.kind == "token_mean" and not total:  # every replica raises this, and .grad stays as before
+                raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token in "
+                                 f"{spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
             b.copy_back({id(p) for p, f in zip(params, h[2:].tolist()) if f > 0})
             # after which of the rank's actions each bucket's all-reduce started (n_actions: after the plan)
             self.last_dp_buckets = {"started_after": list(b.launched_at), "n_actions": b.n_actions}
