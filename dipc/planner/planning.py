@@ -137,6 +137,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                                 "message buffers need")
     pristine = _copy_stages(graph) if limited or budget_s > 0 else None
     search = None
+    hint: dict = {}  # the interleaver's best window candidate: the family the search's rollouts are scored in
 
     def plan_once(limits):
         if t.kind == "interleave" and not limited:  # the common path: one list schedule
@@ -145,7 +146,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             chunk_order, encoders = _virtual_stages(compiled)
             first = [Edge(src=a, dst=b) for a, b in encoder_first_edges(graph.stages, P, encoders, chunk_order)]
             seeds = [fixed_order(n, graph.stages, P, encoders, chunk_order) for n in ("1f1b", "mimo")]
-            sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp)
+            sched = _interleave(graph, P, comm, limits, recompute_cost, first, seeds, ilp=ilp, info=hint)
         else:
             chunk_order, encoders = _virtual_stages(compiled)
             if t.kind == "fixed":
@@ -194,7 +195,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         from .search import search_priorities
 
         found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
-                                          recompute_cost, budget_s, seed, ilp=ilp, workers=search_workers)
+                                          recompute_cost, budget_s, seed, ilp=ilp, workers=search_workers,
+                                          window=hint.get("window"))
         # the search's plan only when it is really faster (not a rounding difference of the same schedule) and,
         # under a limit, fits once simulated with its transients and buffers; else the interleaver's stays
         if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
@@ -283,7 +285,7 @@ def _take(graph: StageGraph, g: StageGraph) -> None:
 
 
 def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=(), *,
-                ilp: bool = True):
+                ilp: bool = True, info: dict | None = None):
     """DIP's dual-queue interleaving (§2.4) under the ranks' activation budgets (without one, :func:`make_plan`
     runs one list schedule): the best simulated of a few candidates (a first, fixed search over orders; the MCTS
     priorities and the memory ILP are the next issue's): the memory-aware admission (forwards wait for memory; the
@@ -295,10 +297,15 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     (:func:`dipc.schedule.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
     written into ``graph``.
 
+    ``info`` (a dict) receives ``"window"``: the in-flight window (microbatches per rank) of the fastest window
+    candidate, the family MCTS scores its rollouts in (its priorities matter there; the seeds' fixed orders ignore
+    them).
+
     Raises:
         PlanError: no candidate fits (the first error met).
     """
     cands, errs = [], []
+    by_window: list[tuple[float, int]] = []
     g = _copy_stages(graph)
     try:
         first = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
@@ -325,8 +332,12 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
             if ilp:
                 optimize_memory(g, order, limits)
             cands.append((timed_schedule(g, order, comm_time=comm), g))
+            if "window" in o:
+                by_window.append((cands[-1][0].iteration_time, o["window"]))
         except PlanError as e:
             errs.append(e)
+    if info is not None and by_window:
+        info["window"] = min(by_window)[1]
     if not cands:
         raise errs[0]
     sched, g = min(cands, key=lambda c: c[0].iteration_time)
