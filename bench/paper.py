@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="VLM-S,VLM-M,VLM-L,T2V-S,T2V-L")
     ap.add_argument("--microbatches", default="16,32,64")
     ap.add_argument("--quick", action="store_true", help="VLM-S at 16 microbatches only, no sweep")
+    ap.add_argument("--dip-budget", type=float, default=5.0,
+                    help="seconds of DIP's MCTS search (seed 0) in the main table's dip rows (0: the interleaver alone)")
     args = ap.parse_args(argv)
     args.microbatches_given = any(a.startswith("--microbatches") for a in (argv if argv is not None else sys.argv))
     models = ["VLM-S"] if args.quick else args.models.split(",")
@@ -162,7 +164,8 @@ def main(argv=None) -> int:
         "the model as one segment (`dipc.compile(..., one_segment=True)`: chunks mix modalities), balanced by "
         "parameters (2 chunks per rank) and by time (1 per rank), and run 1F1B.  `bound` is the busiest rank's work "
         "(recompute included); `ratio` = time / bound; `recomputed` counts pairs that recompute, wholly or in part "
-        "(`in part`).")
+        f"(`in part`).  `dip` is the interleaver plus {args.dip_budget:g} s of MCTS segment reordering (seed 0; "
+        "`--dip-budget`), as the paper's DIP searches each batch.")
     out()
     out("| model | PP | TP | microbatches | schedule | iteration (s) | bound (s) | ratio | peak GB/GPU | "
         "recomputed (in part) | plan (s) | DIP speed-up |")
@@ -187,8 +190,9 @@ def main(argv=None) -> int:
             for sched in dipc.schedules():
                 if name.startswith("T2V") and sched == "optimus":
                     continue  # the paper excludes Optimus from T2V (no diffusion decoders)
+                search = {"budget_s": args.dip_budget, "seed": 0} if sched == "dip" and args.dip_budget > 0 else {}
                 try:
-                    rows.append(run(compiled, batch, n, sched))
+                    rows.append(run(compiled, batch, n, sched, **search))
                 except dipc.PlanError as e:
                     out(f"| {name} | {pp} | {tp} | {n} | {sched} | does not fit: {str(e)[:80]} |")
             for bname, (bc, _, _) in baselines.items():
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
                     f"{r['ratio']:.3f} | {r['peak'] / GB:.1f} | {r['recomputed']} ({r['partly']}) | "
                     f"{r['plan_s']:.2f} | {speed} |")
             summary.append((name, n, best["schedule"], best["time"] / dip["time"], dip["ratio"],
-                            max(r["peak"] for r in rows) / GB))
+                            max(r["peak"] for r in rows) / GB, best["time"] / dip["bound"]))
         cs_b = ", ".join(f"{b} {v[2]:.0f} s" for b, v in baselines.items())
         out(f"| {name} | | | | compile {cs:.0f} s ({cs_b}) | | | | static "
             f"{max(compiled.rank_state_bytes()) / GB:.1f} GB/GPU | | | |")
@@ -214,10 +218,25 @@ def main(argv=None) -> int:
     out()
     out("| model | microbatches | best template | DIP speed-up | DIP time / bound | max peak GB | paper |")
     out("|---|---|---|---|---|---|---|")
-    for name, n, bname, sp, ratio, peak in summary:
+    for name, n, bname, sp, ratio, peak, _ in summary:
         paper = PAPER["gain_vlm"] if name.startswith("VLM") else PAPER["gain_t2v"]
         out(f"| {name} | {n} | {bname} | {sp:.3f}x | {ratio:.3f} | {peak:.1f} | {paper} |")
     out()
+    short = [(name, n, sp, cap) for name, n, _, sp, _, _, cap in summary
+             if (name == "VLM-S" and sp < 1.15) or (name == "T2V-S" and sp < 1.3)]
+    if short:
+        out("Where DIP falls short of the targets (1.15x on VLM-S, 1.3x on T2V-S): "
+            + "; ".join(f"{name} at {n} microbatches {sp:.3f}x, where the best template's time over DIP's own "
+                        f"bubble-free bound is {cap:.3f}x" for name, n, sp, cap in short)
+            + ".  That ratio is the most any schedule with DIP's memory strategies could gain over that template: "
+            "the templates here already run on dipc's modality-aware chunks with the recompute they need to fit "
+            "80 GB, and at 32-64 microbatches their fill and drain are a small share of the step, so every plan is "
+            "within a few percent of its rank-0 work (recompute included).  The paper's larger gains are over "
+            "Megatron-LM's own one-segment partition, which does not fit 80 GB in dipc's memory model (the "
+            "`megatron-vpp` rows), and over schedules with more bubble than these.  T2V-S's microbatches are "
+            "uniform (one 16 s clip group each; dipc batches one latent shape), so DIP has no dynamicity to exploit "
+            "and ties MIMO, whose three phases are already within 2% of the bound.")
+        out()
     if args.quick:
         return _write(args.out, lines)
 
