@@ -89,16 +89,13 @@ def default_dynamic_dims(batch: Mapping[str, torch.Tensor]) -> dict[str, dict[in
 
 def _loss_output(ep, loss_key) -> str:
     """Find the output node name holding the loss (an output named ``loss_key`` or a lone scalar tensor)."""
-    import torch.utils._pytree as pytree
-
-    user_outputs = [s for s in ep.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     mutations = [s for s in ep.graph_signature.output_specs if s.kind != OutputKind.USER_OUTPUT]
     if mutations:
         raise CaptureError(
             f"the model's forward mutates state in place ({[s.target for s in mutations]}); pipelining such models "
             "(e.g. BatchNorm running statistics) is not supported: use eval-mode norms or LayerNorm/RMSNorm")
     spec = ep.call_spec.out_spec
-    leaves_spec = pytree.tree_unflatten(list(range(len(user_outputs))), spec)
+    user_outputs, leaves_spec = _output_tree(ep)
     idx = None
     if isinstance(leaves_spec, int):
         idx = leaves_spec
@@ -116,12 +113,17 @@ def _loss_output(ep, loss_key) -> str:
     return arg.name
 
 
-def _output_nodes(ep) -> dict[str, str]:
-    """Model output key -> node name of every tensor user output (mapping keys; tuple positions as strings)."""
+def _output_tree(ep) -> tuple[list, Any]:
+    """``(user output specs, the model's output structure with each leaf replaced by its index there)``."""
     import torch.utils._pytree as pytree
 
     user_outputs = [s for s in ep.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    tree = pytree.tree_unflatten(list(range(len(user_outputs))), ep.call_spec.out_spec)
+    return user_outputs, pytree.tree_unflatten(list(range(len(user_outputs))), ep.call_spec.out_spec)
+
+
+def _output_nodes(ep) -> dict[str, str]:
+    """Model output key -> node name of every tensor user output (mapping keys; tuple positions as strings)."""
+    user_outputs, tree = _output_tree(ep)
     if isinstance(tree, Mapping) or hasattr(tree, "keys"):
         items = [(str(k), tree[k]) for k in tree.keys()]
     elif isinstance(tree, (tuple, list)):

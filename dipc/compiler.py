@@ -228,9 +228,7 @@ class CompiledPipeline:
         return {"input_ids"} | TOKEN_ALIGNED | {k for k in data if k.endswith("input_ids")}
 
     def _program_from(self, cap: Capture) -> Program:
-        state = dict(self._state)
-        for name, t in cap.constants.items():
-            state.setdefault(name, t)
+        state = self._state_with(cap)
         sizes = size_program(cap.graph, cap.input_keys, cap.state_targets, cap.constants)
         chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
                                      len(self.partition.chunks), build=self._build,
@@ -313,13 +311,17 @@ class CompiledPipeline:
                 if c not in self._build:
                     cm.gm = None
 
-    def _build_chunk(self, prog: Program, chunk: int) -> torch.fx.GraphModule:
-        """``chunk``'s GraphModule of ``prog``, generated now from its capture with the model's current tensors."""
-        cap = prog.capture
+    def _state_with(self, cap: Capture) -> dict[str, torch.Tensor]:
+        """The model's current parameters and buffers by name, plus ``cap``'s lifted constants."""
         state = dict(self._state)
         for name, t in cap.constants.items():
             state.setdefault(name, t)
-        return build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
+        return state
+
+    def _build_chunk(self, prog: Program, chunk: int) -> torch.fx.GraphModule:
+        """``chunk``'s GraphModule of ``prog``, generated now from its capture with the model's current tensors."""
+        cap = prog.capture
+        return build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, self._state_with(cap),
                                    len(self.partition.chunks), build={chunk},
                                    data_symbols=prog.sizes.symbols if prog.sizes is not None else (),
                                    extra_outputs=cap.outputs)[chunk].gm

@@ -33,11 +33,13 @@ class GradBuckets:
     def __init__(self, params: list[torch.Tensor], bucket_bytes: int, group, scale: float, timeout: float):
         self.group, self.scale, self.timeout = group, scale, timeout
         self.buckets: list[list[torch.Tensor]] = []
+        size = 0  # bytes in the last bucket
         for p in reversed(params):
-            b = self.buckets[-1] if self.buckets else None
-            if b is None or b[0].dtype != p.dtype or sum(x.numel() * x.element_size() for x in b) >= bucket_bytes:
+            if not self.buckets or self.buckets[-1][0].dtype != p.dtype or size >= bucket_bytes:
                 self.buckets.append([])
+                size = 0
             self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
         self.ready = [-1] * len(self.buckets)  # index of the rank's action after which each bucket is final
         self.flats: list[torch.Tensor] = []
         self.works: list = []
