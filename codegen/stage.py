@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 __all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError", "chunk_blocks",
-           "recompute_prefix", "with_outputs", "EXTRA_PREFIX"]
+           "recompute_prefix", "chunk_layers", "with_outputs", "EXTRA_PREFIX"]
 
 
 class CodegenError(ValueError):
@@ -98,6 +98,8 @@ class ChunkModule:
         n_nodes: number of compute nodes.
         n_blocks: number of the partition's blocks it runs (:func:`chunk_blocks`): the units of per-layer
             recompute.
+        n_layers: number of layers it runs (:func:`chunk_layers`): the units of per-layer recompute
+            ("recompute:k" checkpoints its first k layers, each on its own).
         extra: model output key -> name of the node of this chunk's graph that computes it (``logits``): values
             the module does not return, which forward-only evaluation asks for (:func:`with_outputs`).
         extra_meta: model output key -> its :class:`ValueMeta`.
@@ -112,6 +114,7 @@ class ChunkModule:
     state_names: list[str]
     n_nodes: int
     n_blocks: int = 1
+    n_layers: int = 1
     extra: dict[str, str] = dataclasses.field(default_factory=dict)
     extra_meta: dict[str, ValueMeta] = dataclasses.field(default_factory=dict)
 
@@ -289,7 +292,8 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
             gm = _make_module(g, state_names, state, {a.target: sub for a, sub in submods})
         out[c] = ChunkModule(chunk=c, gm=gm, inputs=inputs, outputs=list(outputs), loss=loss, output_meta=meta,
                              state_names=state_names, n_nodes=len(nodes),
-                             n_blocks=len({n.meta.get("dipc_block") for n in nodes}), extra=extra,
+                             n_blocks=len({n.meta.get("dipc_block") for n in nodes}),
+                             n_layers=len(chunk_layers(g)), extra=extra,
                              extra_meta=extra_meta)
     return out
 
@@ -362,42 +366,62 @@ class _Checkpointed(torch.nn.Module):
         return cp.checkpoint(self.inner, *args, use_reentrant=False)
 
 
-def chunk_blocks(gm: torch.fx.GraphModule) -> list[int]:
+def chunk_blocks(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[int]:
     """The partition's blocks (``node.meta["dipc_block"]``, :mod:`dipc.passes.blocks`) a chunk module runs, in
-    graph order: the units of per-layer recompute."""
+    graph order."""
     out: list[int] = []
-    for n in gm.graph.nodes:
+    for n in (gm.graph if isinstance(gm, torch.fx.GraphModule) else gm).nodes:
         b = n.meta.get("dipc_block") if n.op == "call_function" else None
         if b is not None and b not in out:
             out.append(b)
     return out
 
 
-def recompute_prefix(gm: torch.fx.GraphModule, n_blocks: int) -> torch.fx.GraphModule:
-    """A module computing what ``gm`` computes with its first ``n_blocks`` blocks under activation checkpointing:
-    Megatron's ``--recompute-method block --recompute-num-layers n`` for one chunk.  The forward keeps the inputs of
-    those blocks only (plus what the remaining blocks save); the backward re-runs them, with the forward's RNG
-    state.  The prefix is cut in graph order before the first node of block ``n_blocks`` (a topological prefix),
-    with ``torch.fx.passes.split_module``; parameters stay the model's own objects, so gradients accumulate where
-    ``gm``'s would.
+def chunk_layers(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
+    """The layers (``node.meta["dipc_layer"]``, :func:`dipc.passes.partition.layer_of`: a numbered layer such as
+    ``language_model.layers.3``, or a block outside any numbered list) a chunk module runs, in graph order of
+    their first node: the units of per-layer recompute."""
+    out: list[str] = []
+    for n in (gm.graph if isinstance(gm, torch.fx.GraphModule) else gm).nodes:
+        v = n.meta.get("dipc_layer") if n.op == "call_function" else None
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
+def recompute_prefix(gm: torch.fx.GraphModule, n_layers: int, group: int = 1) -> torch.fx.GraphModule:
+    """A module computing what ``gm`` computes with its first ``n_layers`` layers (:func:`chunk_layers`) under
+    activation checkpoints of ``group`` consecutive layers each (the last may hold fewer).  ``group=1``: each layer
+    its own checkpoint, Megatron's ``--recompute-granularity full --recompute-method block --recompute-num-layers
+    n`` for one chunk; ``group=n_layers``: one checkpoint over them.  The forward keeps the inputs of each
+    checkpoint (plus what the remaining layers save); the backward re-runs one checkpoint at a time, with the
+    forward's RNG state, so at most one checkpoint's activations are rebuilt at once.  A node goes to the region of the latest layer seen in graph
+    order (a topological split: regions feed only later ones), cut with ``torch.fx.passes.split_module``;
+    parameters stay the model's own objects, so gradients accumulate where ``gm``'s would.
 
     Raises:
-        CodegenError: ``n_blocks`` is not in ``1 .. blocks - 1`` (the chunk's block count; all blocks: use the
-            "recompute" strategy, which also skips the first run's autograd graph).
+        CodegenError: ``n_layers`` is not in ``1 .. layers`` (the chunk's layer count), or ``group`` not in
+            ``1 .. n_layers``.
     """
     from torch.fx.passes.split_module import split_module
 
-    blocks = chunk_blocks(gm)
-    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or not 1 <= n_blocks < len(blocks):
-        raise CodegenError(f"a chunk of {len(blocks)} blocks cannot recompute its first {n_blocks!r}: use 1 .. "
-                           f"{len(blocks) - 1} (or the 'recompute' strategy for the whole chunk)")
-    stop = blocks[n_blocks]
+    layers = chunk_layers(gm)
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or not 1 <= n_layers <= len(layers):
+        raise CodegenError(f"a chunk of {len(layers)} layers cannot recompute its first {n_layers!r}: use 1 .. "
+                           f"{len(layers)} (or the 'recompute' strategy for the whole chunk as one region)")
+    if isinstance(group, bool) or not isinstance(group, int) or not 1 <= group <= n_layers:
+        raise CodegenError(f"checkpoints of {group!r} layers: use 1 .. {n_layers} (the layers recomputed)")
+    regions = -(-n_layers // group)
+    index = {v: (j // group if j < n_layers else regions) for j, v in enumerate(layers)}
     part: dict[torch.fx.Node, int] = {}
     side = 0
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.meta.get("dipc_block") == stop:
-            side = 1
+        if n.op == "call_function" and n.meta.get("dipc_layer") in index:
+            side = max(side, index[n.meta["dipc_layer"]])
         part[n] = side
     split = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
-    split.submod_0 = _Checkpointed(split.submod_0)
+    for j in range(regions):
+        name = f"submod_{j}"
+        if hasattr(split, name):
+            setattr(split, name, _Checkpointed(getattr(split, name)))
     return split

@@ -32,6 +32,7 @@ from .passes.partition import Partition, apply_partition, partition
 from .program import Program, _bindings, _carries_grad, _check_acyclic, _data_dependent, _tied_dims, index_ranges
 from .families import _auto_instances, _loss_from_form
 from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
+from .passes.symcost import _Graph as _SymGraph
 from .codegen.stage import build_chunk_modules
 from .codegen.source import chunk_source
 
@@ -338,26 +339,41 @@ class CompiledPipeline:
         return hit[1]
 
     def _block_costs(self, prog: Program, chunk: int):
-        """Per block of ``chunk`` in ``prog``'s capture: ``f<j>`` its forward seconds (the roofline of
-        :meth:`_chunk_costs`) and ``a<j>`` the bytes its nodes save for the backward, both per GPU (÷ ``tp_size``),
-        j = the block's position in the chunk; compiled in one ``sympy.lambdify``."""
+        """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
+        recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
+        nodes save for the backward and ``i<j>`` the bytes of the values it reads from outside itself (what its
+        activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
+        all per GPU (÷ ``tp_size``), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
         T = self.tp_size
         nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
-        blocks: list = []
+        layers: list = []
         for n in nodes:
-            if n.meta.get("dipc_block") not in blocks:
-                blocks.append(n.meta.get("dipc_block"))
+            if n.meta.get("dipc_layer") not in layers:
+                layers.append(n.meta.get("dipc_layer"))
+        ctx = _SymGraph(prog.capture.graph, prog.capture.input_keys)
+        stashed: set = set()  # storages already held by an earlier layer's checkpoint (one copy in memory)
         exprs = {}
-        for j, b in enumerate(blocks):
-            fs, acts = [], []
+        for j, v in enumerate(layers):
+            fs, acts, ins = [], [], []
             for n in nodes:
-                c = n.meta.get("dipc_symcost")
-                if c is None or n.meta.get("dipc_block") != b:
+                if n.meta.get("dipc_layer") != v:
                     continue
-                fs.append(self._latency_f(c))
-                acts.append(c.activation_bytes / T)
+                c = n.meta.get("dipc_symcost")
+                if c is not None:
+                    fs.append(self._latency_f(c))
+                    acts.append(c.activation_bytes / T)
+                for a in n.all_input_nodes:
+                    if a.op not in ("placeholder", "call_function") or (
+                            a.op == "call_function" and a.meta.get("dipc_chunk") == chunk
+                            and a.meta.get("dipc_layer") == v):
+                        continue
+                    key, nbytes, is_state = ctx.base(a)
+                    if not is_state and key not in stashed:
+                        stashed.add(key)
+                        ins.append(nbytes / T)
             exprs[f"f{j}"] = sympy.Add(*fs)
             exprs[f"a{j}"] = sympy.Add(*acts)
+            exprs[f"i{j}"] = sympy.Add(*ins)
         return CompiledCost(exprs)
 
     def _dip_rules(self, cap: Capture, instances, auto_b: set[str]):

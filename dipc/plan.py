@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import Callable, Iterable
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key",
-           "recomputed_blocks", "forward_only"]
+           "recomputed_blocks", "recompute_layout", "forward_only"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -56,27 +56,43 @@ class TensorSpec:
 
 
 #: memory strategies a stage may carry (DESIGN.md "Memory"); besides these, "recompute:<k>" (k >= 1): the first k
-#: blocks of the chunk recompute (:func:`recomputed_blocks`)
+#: layers of the chunk recompute, each as its own checkpoint, and "recompute:<k>/<g>": in checkpoints of g layers
+#: (:func:`recompute_layout`)
 STRATEGIES = {"keep", "recompute"}
 
 
-def recomputed_blocks(strategy: str) -> int | None:
-    """How much of a chunk a memory strategy recomputes: 0 for "keep", ``None`` for "recompute" (the whole chunk),
-    ``k`` for "recompute:k" (its first k blocks, Megatron's ``--recompute-method block --recompute-num-layers k``).
+def recompute_layout(strategy: str) -> tuple[int, int] | None:
+    """How a memory strategy recomputes a chunk: ``(0, 1)`` for "keep", ``None`` for "recompute" (the whole chunk as
+    one region), ``(k, g)`` for "recompute:k/g": the chunk's first k layers (:func:`dipc.codegen.stage.chunk_layers`)
+    in activation checkpoints of g consecutive layers each (the last may hold fewer).  "recompute:k" is
+    "recompute:k/1", each layer its own checkpoint: Megatron's ``--recompute-method block --recompute-num-layers
+    k``; "recompute:k/k" is one checkpoint over the k layers.
 
     Raises:
-        PlanError: not a known strategy (``k`` must be a decimal int >= 1).
+        PlanError: not a known strategy (``k`` and ``g`` decimal ints, ``1 <= g <= k``).
     """
     if strategy == "keep":
-        return 0
+        return 0, 1
     if strategy == "recompute":
         return None
     if isinstance(strategy, str) and strategy.startswith("recompute:"):
-        k = strategy[len("recompute:"):]
-        if k.isdigit() and int(k) >= 1 and k == str(int(k)):
-            return int(k)
+        k, sep, g = strategy[len("recompute:"):].partition("/")
+        g = g if sep else "1"
+        if all(x.isdigit() and x == str(int(x)) for x in (k, g)) and 1 <= int(g) <= int(k):
+            return int(k), int(g)
     raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'recompute:<k>' (k >= 1 "
-                    "blocks)")
+                    "layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of g <= k layers)")
+
+
+def recomputed_blocks(strategy: str) -> int | None:
+    """How many of a chunk's layers a memory strategy recomputes: 0 for "keep", ``None`` for "recompute" (the
+    whole chunk), ``k`` for "recompute:k" and "recompute:k/g" (:func:`recompute_layout`).
+
+    Raises:
+        PlanError: not a known strategy.
+    """
+    layout = recompute_layout(strategy)
+    return None if layout is None else layout[0]
 
 
 def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
@@ -97,8 +113,9 @@ class Action:
         tensors: the message's tensors.
         strategy: memory strategy of a stage, the same on its F and B: "keep" (the forward keeps what autograd
             saves until the backward), "recompute" (the forward keeps only its inputs and runs without autograd;
-            the backward runs it again, with the forward's RNG state, then back-propagates) or "recompute:k" (the
-            chunk's first k blocks run under activation checkpointing: per-layer recompute).
+            the backward runs it again, with the forward's RNG state, then back-propagates), "recompute:k" (each
+            of the chunk's first k layers runs under its own activation checkpoint: per-layer recompute) or
+            "recompute:k/g" (those layers in checkpoints of g layers each, :func:`recompute_layout`).
     """
 
     kind: str
@@ -332,7 +349,7 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
     for st, (r, i) in where.items():
         a = plan.ranks[r][i]
         try:
-            recomputed_blocks(a.strategy)
+            recompute_layout(a.strategy)
         except PlanError as e:
             raise PlanError(f"{a.kind} of chunk {a.chunk}, microbatch {a.mb} on rank {r}: {e}") from None
         if a.kind == "B" and stage_key("F", a.chunk, a.mb, a.sub) in where:

@@ -61,10 +61,12 @@ class Program:
             cm.gm = self.builder(chunk)
         return cm.gm
 
-    def block_costs(self, chunk: int, bindings: Mapping) -> list[tuple[float, float]] | None:
-        """Per block of ``chunk`` (graph order), ``(forward seconds on the device profile, bytes its nodes save
-        for the backward)`` at concrete sizes (per GPU under tensor parallelism), or ``None`` without a device
-        profile: the units of per-layer recompute (DIP §2.5's per-layer memory strategies).  The costs are
+    def block_costs(self, chunk: int, bindings: Mapping) -> list[tuple[float, float, float]] | None:
+        """Per layer of ``chunk`` (graph order; :func:`dipc.codegen.stage.chunk_layers`), ``(forward seconds on
+        the device profile, bytes its nodes save for the backward, bytes of the values it reads from outside
+        itself)`` at concrete sizes (per GPU under tensor parallelism), or ``None`` without a device profile: the
+        units of per-layer recompute (DIP §2.5's per-layer memory strategies; the third is what the layer's
+        activation checkpoint holds).  The costs are
         compiled for a chunk on first use and memoised per shape."""
         if self.block_costs_of is None or chunk not in self.chunk_costs:
             return None
@@ -72,8 +74,8 @@ class Program:
         if cc is None:
             cc = self._block_costs[chunk] = self.block_costs_of(self, chunk)
         v = cc(bindings)
-        n = len(v) // 2
-        return [(v[f"f{j}"], v[f"a{j}"]) for j in range(n)]
+        n = len(v) // 3
+        return [(v[f"f{j}"], v[f"a{j}"], v[f"i{j}"]) for j in range(n)]
 
     def stage_cost(self, chunk: int, bindings: Mapping) -> dict[str, float] | None:
         """Compiled cost of ``chunk`` at concrete sizes (``latency_f``/``latency_b`` in seconds on the device

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from .plan import Action, Plan, TensorSpec, stage_key
 
 __all__ = ["Stage", "Edge", "StageGraph", "Schedule", "list_schedule", "lower", "timed_schedule", "order_peaks",
-           "fit_by_recompute", "relax_recompute", "switch_to_recompute"]
+           "fit_by_recompute", "relax_recompute", "switch_to_recompute", "recompute_option"]
 
 
 @dataclasses.dataclass
@@ -52,9 +52,9 @@ class Stage:
         priority: larger runs first among ready stages of one kind.
         activation_bytes: memory a forward keeps until its backward (bytes).
         modality: the chunk's modality (for pictures and reports).
-        strategy: memory strategy ("keep" or "recompute", :data:`dipc.plan.STRATEGIES`); with "recompute" the
-            forward keeps only its inputs (``activation_bytes`` should count those) and the backward's ``latency``
-            includes the forward run again.
+        strategy: memory strategy ("keep", "recompute" or "recompute:k", :func:`dipc.plan.recomputed_blocks`);
+            with "recompute" the forward keeps only its inputs (``activation_bytes`` should count those) and the
+            backward's ``latency`` includes the forward run again.
         keep_bytes, recompute_extra: set on a forward the planner switched to "recompute"
             (:func:`switch_to_recompute`) or to another option: its bytes under "keep" and the seconds its backward
             grew by, so that :func:`relax_recompute` can switch it back.
@@ -62,8 +62,11 @@ class Stage:
         transient_bytes: bytes the stage holds only while it runs (its largest op's working set; DESIGN.md
             "Memory"), on top of the activations live then.
         options: on a forward, the memory strategies its pair may take, ``(strategy, activation bytes, seconds the
-            backward grows by)`` from "keep" (``extra = 0``) to the least memory (DIP §2.5's candidates,
-            :func:`dipc.planner.memory.prune_options`); empty: only its current strategy.
+            backward grows by[, bytes the backward rebuilds])`` from "keep" (``extra = 0``) to the least memory
+            (DIP §2.5's candidates, :func:`dipc.planner.memory.prune_options`); empty: only its current strategy.
+        rebuild_bytes: on a recomputing forward, the bytes its backward holds again while it recomputes (a transient
+            of the backward); ``None``: all it did not keep (``keep_bytes - activation_bytes``, the whole chunk
+            rebuilt at once).
     """
 
     kind: str
@@ -81,6 +84,7 @@ class Stage:
     options: tuple = ()
     transient_bytes: float = 0.0
     forced: bool = False
+    rebuild_bytes: float | None = None
 
     @property
     def key(self) -> str:
@@ -127,9 +131,24 @@ class Schedule:
         return max(self.end.values(), default=0.0)
 
 
+def recompute_option(recompute_cost: Callable[[Stage], tuple], st: Stage) -> tuple[float, float, str, float | None]:
+    """``(kept bytes, extra backward seconds, strategy, rebuilt bytes)`` of the least-memory recompute a
+    ``recompute_cost`` callback offers for forward ``st``: the callback returns ``(kept, extra)`` (the whole chunk,
+    "recompute") or ``(kept, extra, strategy, rebuilt bytes)`` (e.g. "recompute:k", rebuilt one block at a
+    time).  A forward already at that strategy, or whose strategy was asked for (``forced``), is offered as it
+    is."""
+    if st.forced:  # asked for (set_recompute): the planner leaves it as it is
+        return st.activation_bytes, st.recompute_extra, st.strategy, st.rebuild_bytes
+    c = recompute_cost(st)
+    c = (c[0], c[1], "recompute", None) if len(c) == 2 else tuple(c)
+    if c[2] == st.strategy:  # already there
+        return st.activation_bytes, st.recompute_extra, st.strategy, st.rebuild_bytes
+    return c
+
+
 def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge], float] | None = None,
                   memory_limit: float | Sequence[float | None] | None = None,
-                  recompute_cost: Callable[[Stage], tuple[float, float]] | None = None,
+                  recompute_cost: Callable[[Stage], tuple] | None = None,
                   window: int | None = None) -> Schedule:
     """Greedy dual-queue list scheduling of every stage (see the module docstring).
 
@@ -139,7 +158,8 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         comm_time: seconds an edge between ranks adds to its consumer's earliest start (default 0).
         memory_limit: bytes of forward activations a rank may keep live (one number, or one per rank; ``None``:
             no limit).
-        recompute_cost: forward stage -> (bytes it keeps under "recompute", seconds its backward grows by): lets
+        recompute_cost: forward stage -> (bytes it keeps under "recompute", seconds its backward grows by), or
+            ``(kept, extra, strategy, rebuilt bytes)`` for another strategy (:func:`recompute_option`): lets
             the scheduler switch a stage to recompute when nothing else fits.  The stage and its backward are
             updated in ``graph``.
         window: at most this many microbatches in flight per rank: a forward of microbatch ``m`` waits until every
@@ -176,8 +196,8 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         open_stages[st.mb] += 1
         if st.kind == "F":
             least = st.activation_bytes
-            if recompute_cost is not None and limits[st.rank] is not None and st.strategy != "recompute":
-                least = min(least, recompute_cost(st)[0])
+            if recompute_cost is not None and limits[st.rank] is not None:
+                least = min(least, recompute_option(recompute_cost, st)[0])
             least_of[st.key] = least
             need[st.rank][st.mb] += least
 
@@ -214,11 +234,9 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         queued forward that then fits."""
         for e in sorted(queues[r]["F"], key=lambda e: (e[1], e)):
             st = graph.stages[e[-1]]
-            if st.strategy == "recompute":
-                continue
-            kept, extra = recompute_cost(st)
+            kept, extra, how, rebuild = recompute_option(recompute_cost, st)
             if kept < st.activation_bytes and live[r] + kept + reserve_of(r, st.mb) <= limits[r]:
-                switch_to_recompute(graph, st, kept, extra)
+                switch_to_recompute(graph, st, kept, extra, how, rebuild)
                 return True
         return False
 
@@ -309,17 +327,17 @@ def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recom
     cands = [(e, r) for r in range(len(queues)) for e in queues[r]["F"] if graph.stages[e[-1]].mb == oldest]
     for e, r in sorted(cands, key=lambda x: x[0]):
         st = graph.stages[e[-1]]
-        if st.strategy != "recompute" and recompute_cost is not None:
-            kept, extra = recompute_cost(st)
-            if live[r] + kept <= limits[r]:
-                switch_to_recompute(graph, st, kept, extra)
+        if recompute_cost is not None:
+            kept, extra, how, rebuild = recompute_option(recompute_cost, st)
+            if kept < st.activation_bytes and live[r] + kept <= limits[r]:
+                switch_to_recompute(graph, st, kept, extra, how, rebuild)
                 return r
     if cands:
         e, r = min(cands, key=lambda x: x[0])
         st = graph.stages[e[-1]]
         least = st.activation_bytes
-        if recompute_cost is not None and st.strategy != "recompute":
-            least = min(least, recompute_cost(st)[0])
+        if recompute_cost is not None:
+            least = min(least, recompute_option(recompute_cost, st)[0])
         raise error(f"rank {r} cannot keep {st.key}: it needs {least:.4g} bytes of activations even recomputed "
                     f"({st.activation_bytes:.4g} kept whole) on top of {live[r]:.4g} live, over its activation "
                     f"budget of {limits[r]:.4g} bytes (the memory limit less the rank's parameters, gradients and "
@@ -399,15 +417,17 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
                 microbatches=list(microbatches or []), simulated=sim)
 
 
-def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float) -> None:
-    """Give forward ``st`` and its backward the "recompute" strategy: both count ``kept`` bytes, the backward grows
-    by ``extra`` seconds; the forward remembers its "keep" bytes for :func:`relax_recompute`."""
+def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float, strategy: str = "recompute",
+                        rebuild: float | None = None) -> None:
+    """Give forward ``st`` and its backward the ``strategy`` ("recompute", or "recompute:k"): both count ``kept``
+    bytes, the backward grows by ``extra`` seconds and rebuilds ``rebuild`` bytes while it runs (``None``: all the
+    forward did not keep); the forward remembers its "keep" bytes for :func:`relax_recompute`."""
     b = graph.stages["B" + st.key[1:]]
     keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
     b.latency += extra - st.recompute_extra  # from another option (per-layer recompute), the difference
-    st.keep_bytes, st.recompute_extra = keep, extra
+    st.keep_bytes, st.recompute_extra, st.rebuild_bytes = keep, extra, rebuild
     for x in (st, b):
-        x.strategy = "recompute"
+        x.strategy = strategy
         x.activation_bytes = kept
 
 
@@ -434,7 +454,7 @@ def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         cands = []
         for k in ks:
             s = graph.stages[k]
-            if s.kind == "F" and s.strategy == "recompute" and s.keep_bytes is not None and not s.forced:
+            if s.kind == "F" and s.strategy != "keep" and s.keep_bytes is not None and not s.forced:
                 extra_b = s.keep_bytes - s.activation_bytes
                 cands.append((-(s.recompute_extra / max(extra_b, 1e-12)), k))
         for _, k in sorted(cands):
@@ -448,7 +468,7 @@ def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                     x.strategy = "keep"
                     x.activation_bytes = s.keep_bytes
                 b.latency -= s.recompute_extra
-                s.keep_bytes, s.recompute_extra = None, 0.0
+                s.keep_bytes, s.recompute_extra, s.rebuild_bytes = None, 0.0, None
                 n += 1
     return n
 
@@ -522,7 +542,7 @@ def order_peaks(graph: StageGraph, order: Sequence[Sequence[str]]) -> list[tuple
 
 
 def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None],
-                     recompute_cost: Callable[[Stage], tuple[float, float]], *, uniform: bool = False) -> int:
+                     recompute_cost: Callable[[Stage], tuple], *, uniform: bool = False) -> int:
     """Switch forward-backward stage pairs of a fixed order to "recompute" until every rank's live activations
     stay under its limit, as a user of a static schedule turns recompute on to fit (selective: at each rank's peak,
     the pairs live there that save the most bytes per second of recompute go first).  With ``uniform`` a chunk
@@ -546,12 +566,12 @@ def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: 
             ks = order[r]
             done_b = {k for k in ks[:at + 1] if graph.stages[k].kind == "B"}
             live = [graph.stages[k] for k in ks[:at + 1] if graph.stages[k].kind == "F"
-                    and "B" + k[1:] not in done_b and graph.stages[k].strategy != "recompute"]
+                    and "B" + k[1:] not in done_b]
             cands = []
             for st in live:
-                kept, extra = recompute_cost(st)
-                if kept < st.activation_bytes:
-                    cands.append(((st.activation_bytes - kept) / max(extra, 1e-12), st, kept, extra))
+                opt = recompute_option(recompute_cost, st)
+                if opt[0] < st.activation_bytes:
+                    cands.append(((st.activation_bytes - opt[0]) / max(opt[1] - st.recompute_extra, 1e-12), st, opt))
             if not cands:
                 raise PlanError(f"rank {r} keeps {peak:.4g} bytes of activations at its peak ({ks[at]}) with every "
                                 f"stage live there recomputed, over its activation budget of {limits[r]:.4g} bytes "
@@ -561,20 +581,20 @@ def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: 
             if uniform:  # the best chunk live at the peak, for all its microbatches
                 by_chunk: dict[int, list] = defaultdict(list)
                 for st in graph.stages.values():
-                    if st.kind == "F" and st.rank == r and st.strategy != "recompute":
-                        kept, extra = recompute_cost(st)
-                        if kept < st.activation_bytes:
-                            by_chunk[st.chunk].append((st, kept, extra))
+                    if st.kind == "F" and st.rank == r:
+                        opt = recompute_option(recompute_cost, st)
+                        if opt[0] < st.activation_bytes:
+                            by_chunk[st.chunk].append((st, opt))
                 live_chunks = {c[1].chunk for c in cands}
-                best = max(live_chunks, key=lambda c: sum(st.activation_bytes - kp for st, kp, _ in by_chunk[c])
-                           / max(sum(x for _, _, x in by_chunk[c]), 1e-12))
-                for st, kept, extra in by_chunk[best]:
-                    switch_to_recompute(graph, st, kept, extra)
+                best = max(live_chunks, key=lambda c: sum(st.activation_bytes - o[0] for st, o in by_chunk[c])
+                           / max(sum(o[1] - st.recompute_extra for st, o in by_chunk[c]), 1e-12))
+                for st, opt in by_chunk[best]:
+                    switch_to_recompute(graph, st, *opt)
                     n += 1
                 continue
-            for _, st, kept, extra in sorted(cands, key=lambda c: -c[0]):
-                excess -= st.activation_bytes - kept
-                switch_to_recompute(graph, st, kept, extra)
+            for _, st, opt in sorted(cands, key=lambda c: -c[0]):
+                excess -= st.activation_bytes - opt[0]
+                switch_to_recompute(graph, st, *opt)
                 n += 1
                 if excess <= 0:
                     break

@@ -49,7 +49,7 @@ class SimResult:
         critical_path: seconds of the longest chain of dependent stages (the plan's ``deps``, forward to backward;
             transfers not counted), plus ``epilogue``: no schedule on any number of ranks is faster.
         schedule: the template that made the plan (from ``plan.simulated``; "" when unknown).
-        recomputed: forward-backward stage pairs that recompute, wholly ("recompute") or their first blocks
+        recomputed: forward-backward stage pairs that recompute, wholly ("recompute") or their first layers
             ("recompute:k").
     """
 
@@ -349,8 +349,11 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     for k, s in w.graph.stages.items():  # a recomputing backward holds what its forward did not keep, again
         if s.kind == "B" and s.strategy != "keep":
             f = w.graph.stages["F" + k[1:]]
-            if f.keep_bytes is not None and f.keep_bytes > f.activation_bytes:
-                transient[k] = transient.get(k, 0.0) + f.keep_bytes - f.activation_bytes
+            again = f.rebuild_bytes
+            if again is None and f.keep_bytes is not None:
+                again = f.keep_bytes - f.activation_bytes
+            if again is not None and again > 0:
+                transient[k] = transient.get(k, 0.0) + again
     T = compiled.tp_size
     buffers = lambda tensors: sum(t.nbytes for t in tensors) / T  # noqa: E731  (each GPU holds its shard)
     post, epilogue = 0.0, 0.0

@@ -36,7 +36,7 @@ import torch.fx
 from .blocks import Call, assign, call_tree, crossing_bytes, expand, walk
 from .cost import ZERO, NodeCost, node_latency
 
-__all__ = ["ChunkInfo", "Partition", "balanced_cuts", "min_crossing_cuts", "partition", "apply_partition",
+__all__ = ["ChunkInfo", "Partition", "balanced_cuts", "layer_of", "min_crossing_cuts", "partition", "apply_partition",
            "PartitionError", "chunks_per_rank_rule"]
 
 BALANCE_TOLERANCE = 0.10   #: refine blocks while the best cut exceeds its lower bound by more than this
@@ -108,6 +108,18 @@ class Partition:
         """Module paths of the blocks of ``chunk``."""
         c = self.chunks[chunk]
         return self.block_names[c.modality][c.blocks[0]:c.blocks[1]]
+
+
+def layer_of(block_name: str) -> str:
+    """The layer a block belongs to, the unit of per-layer activation recompute (Megatron's "layer" of
+    ``--recompute-num-layers``): the module path up to the first numbered ``ModuleList`` index
+    (``language_model.layers.3.self_attn.q_proj`` -> ``language_model.layers.3``), or the block's own path when it
+    is in no numbered list (``multi_modal_projector``).  Nodes carry it as ``node.meta["dipc_layer"]``."""
+    parts = block_name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return block_name
 
 
 def balanced_cuts(costs: list[float], n_parts: int) -> list[tuple[int, int]]:
@@ -380,6 +392,7 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
         block_names[m] = [c.path for c in mod.frontier] or ["(ops outside modules)"]
         for n, b in zip(mod.nodes, of):
             n.meta["dipc_block"] = b
+            n.meta["dipc_layer"] = layer_of(block_names[m][b])
         for pos, (lo, hi) in enumerate(cuts):
             idx = len(chunks)
             cost = sum((n.meta.get("dipc_cost", ZERO) for n, b in zip(mod.nodes, of) if lo <= b < hi), ZERO)
@@ -412,4 +425,5 @@ def apply_partition(graph: torch.fx.Graph, part: Partition) -> None:
     for m, ns in by_mod.items():
         for n, b in zip(ns, assign(ns, part.block_keys[m])):
             n.meta["dipc_block"] = b
+            n.meta["dipc_layer"] = layer_of(part.block_names[m][b])
             n.meta["dipc_chunk"] = part.block_to_chunk[(m, b)]

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as hs
 
 import dipc
-from dipc.plan import PlanError, recomputed_blocks
+from dipc.codegen.stage import CodegenError
+from dipc.plan import PlanError, recompute_layout, recomputed_blocks
 from dipc.planner.memory import optimize_memory, prune_options
 from dipc.schedule import order_peaks
 
@@ -119,22 +120,30 @@ def test_uniform_choice_is_one_strategy_per_chunk():
 
 def test_recomputed_blocks_parses_strategies():
     assert recomputed_blocks("keep") == 0 and recomputed_blocks("recompute") is None
-    assert recomputed_blocks("recompute:3") == 3
-    for bad in ("recompute:0", "recompute:-1", "recompute:x", "recompute:01", "lazy"):
+    assert recomputed_blocks("recompute:3") == 3 and recomputed_blocks("recompute:3/3") == 3
+    assert recompute_layout("recompute:3") == (3, 1) and recompute_layout("recompute:4/2") == (4, 2)
+    assert recompute_layout("keep") == (0, 1) and recompute_layout("recompute") is None
+    for bad in ("recompute:0", "recompute:-1", "recompute:x", "recompute:01", "lazy", "recompute:2/3",
+                "recompute:2/0", "recompute:2/", "recompute:3/01"):
         with pytest.raises(PlanError, match="unknown memory strategy"):
             recomputed_blocks(bad)
 
 
-def _saved_bytes(fn):
-    total = [0]
+def _saved_bytes(fn, params=()):
+    """Bytes of the distinct storages autograd saves while ``fn`` runs (outside activation checkpoints, whose
+    regions keep their inputs only), the parameters' own storages left out."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
 
     def pack(t):
-        total[0] += t.numel() * t.element_size()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return total[0], out
+    return sum(seen.values()), out
 
 
 def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
@@ -167,7 +176,7 @@ def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
             torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
     # the executed module really keeps less: saved bytes of one text chunk, keep vs its first blocks checkpointed
     prog = c.program_for(b)
-    cm = next(cm for cm in prog.chunks.values() if cm.n_blocks >= 3 and cm.loss is None and cm.gm is not None)
+    cm = next(cm for cm in prog.chunks.values() if cm.n_layers >= 3 and cm.loss is None and cm.gm is not None)
     mb = c.batch_spec.split(b, 8)[0]
     from dipc.runtime import build_workload
     w = build_workload(c, [mb])
@@ -183,11 +192,20 @@ def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
             meta = prog.chunks[inp.src_chunk].output_meta[inp.name]
             kwargs[inp.name] = torch.randn(meta.concrete_shape(w.bindings[fk]), dtype=meta.dtype,
                                            requires_grad=meta.dtype.is_floating_point)
-    full, out_keep = _saved_bytes(lambda: cm.gm(**kwargs))
-    part, out_part = _saved_bytes(lambda: recompute_prefix(cm.gm, cm.n_blocks - 1)(**kwargs))
-    assert part < full
-    for name in out_keep:
-        torch.testing.assert_close(out_part[name], out_keep[name])
+    full, out_keep = _saved_bytes(lambda: cm.gm(**kwargs), model.parameters())
+    saved = {}
+    for k in range(1, cm.n_layers + 1):  # the first k layers in checkpoints of g layers: the same outputs
+        for g in range(1, k + 1):
+            saved[k, g], out_part = _saved_bytes(lambda: recompute_prefix(cm.gm, k, g)(**kwargs), model.parameters())
+            for name in out_keep:
+                torch.testing.assert_close(out_part[name], out_keep[name])
+    n = cm.n_layers
+    assert saved[n, 1] < full / 2, (saved, full)  # every layer its own checkpoint: only the layers' inputs are kept
+    assert saved[n, n] < saved[n, 1], saved  # one checkpoint over all: the chunk's inputs only
+    with pytest.raises(CodegenError, match="checkpoints of 0 layers"):
+        recompute_prefix(cm.gm, n, 0)
+    with pytest.raises(CodegenError, match=f"a chunk of {n} layers cannot recompute its first {n + 1}"):
+        recompute_prefix(cm.gm, n + 1)
 
 
 def test_limits_are_monotone_and_bad_planning_arguments_are_refused():

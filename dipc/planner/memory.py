@@ -1,11 +1,11 @@
 """DIP's per-rank memory optimisation (shared/PAPER.md §2.5, searcher phase 3): one memory strategy per
 forward-backward stage pair, chosen by a small ILP per pipeline rank.
 
-* **Candidates.** A pair's strategies are "keep", "recompute:k" (the chunk's first k blocks recompute: the
-  per-layer strategy, Megatron's ``--recompute-method block``) and "recompute" (the whole chunk), each with the
-  bytes its forward keeps until the backward and the seconds the backward grows by (the forward of what it
-  recomputes).  :func:`prune_options` keeps at most ``S`` of them (the paper's S = 10): the fastest, the most
-  memory-efficient, and in each of S - 2 equal buckets of the memory range between them the fastest (a pair's
+* **Candidates.** A pair's strategies are "keep", "recompute:k" (each of the chunk's first k layers its own
+  checkpoint: the per-layer strategy, Megatron's ``--recompute-method block``) and "recompute" (the whole chunk as
+  one region), each with the bytes its forward keeps until the backward, the seconds the backward grows by (the
+  forward of what it recomputes) and the bytes it rebuilds at once.  :func:`prune_options` keeps at most ``S`` of
+  them (the paper's S = 10): the fastest, the most memory-efficient, and in each of S - 2 equal buckets of the memory range between them the fastest (a pair's
   strategies form one chain - more recompute, less memory - so the paper's multiple-choice knapsack per bucket is
   a pick along it).
 * **ILP per rank** (:func:`optimize_memory`): variables ``o[i, j]`` in {0, 1} (pair i takes candidate j), each
@@ -72,16 +72,19 @@ def prune_options(options: Sequence[tuple[str, float, float]], S: int = S_DEFAUL
 
 
 def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -> None:
-    """Give forward ``fk`` and its backward the candidate ``option = (strategy, bytes, extra seconds)``: both count
-    its bytes, the backward's latency is its "keep" latency plus ``extra``; the forward remembers its "keep" bytes
-    and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo it."""
+    """Give forward ``fk`` and its backward the candidate ``option = (strategy, bytes, extra seconds[, rebuilt
+    bytes])``: both count its bytes, the backward's latency is its "keep" latency plus ``extra`` and it rebuilds
+    the given bytes while it runs (``Stage.rebuild_bytes``; without: all the forward did not keep); the forward
+    remembers its "keep" bytes and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo
+    it."""
     st = graph.stages[fk]
     b = graph.stages["B" + fk[1:]]
-    strategy, nbytes, extra = option
+    strategy, nbytes, extra = option[:3]
     keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
     b.latency += extra - st.recompute_extra
     st.recompute_extra = extra
     st.keep_bytes = None if strategy == "keep" else keep
+    st.rebuild_bytes = option[3] if len(option) > 3 and strategy != "keep" else None
     for x in (st, b):
         x.strategy = strategy
         x.activation_bytes = nbytes
@@ -125,7 +128,7 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         opts = []
         for k in pairs:
             st = graph.stages[k]
-            own = list(st.options) or [(st.strategy, st.activation_bytes, st.recompute_extra)]
+            own = list(st.options) or [(st.strategy, st.activation_bytes, st.recompute_extra, st.rebuild_bytes)]
             opts.append(own if uniform else prune_options(own, S))
         # variables: per group (pair, or chunk with uniform) x candidate
         if uniform:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from typing import Sequence
 
 from ..plan import Plan, PlanError, validate
 from .memory import optimize_memory
 from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
 
-from .workload import StepWorkload, memory_options, _input_bytes
+from .workload import StepWorkload, memory_options, rebuild_need, _input_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -112,29 +113,25 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     graph = workload.graph
     P = compiled.pp_size
 
+    limited = any(x is not None for x in limits)
+    ilp = memory_opt == "ilp"
+    budgets = list(limits)
+    # forward -> its memory strategies (DIP §2.5's candidates), and those its rank allows under the reserve policy
+    options = {k: memory_options(workload, k) for k, st in graph.stages.items()
+               if st.kind == "F" and st.strategy == "keep"} if limited else {}
+    allowed: dict[str, tuple] = {}
     inputs: dict[str, float] = {}
 
     def recompute_cost(st):
+        """The least-memory recompute the forward's rank allows (ties: the least backward seconds)."""
+        opts = [o for o in allowed.get(st.key, ()) if o[0] != "keep"]
+        if opts:
+            how, kept, extra, rebuild = min(opts, key=lambda o: (o[1], o[2]))
+            return kept, extra, how, rebuild
         if st.key not in inputs:
             inputs[st.key] = _input_bytes(workload, st.key)
         return inputs[st.key], st.latency
 
-    limited = any(x is not None for x in limits)
-    ilp = memory_opt == "ilp"
-    if limited and ilp:  # the candidates of DIP's memory optimisation (§2.5), per forward-backward pair
-        for k, st in graph.stages.items():
-            if st.kind == "F" and st.strategy == "keep":
-                st.options = tuple(memory_options(workload, k))
-    budgets = list(limits)
-    if limited:  # transients and message buffers come out of the activation budget (DESIGN.md "Memory")
-        reserve = _buffer_reserve(workload, P)
-        limits = [None if x is None else x - reserve[r] for r, x in enumerate(limits)]
-        for r, x in enumerate(limits):
-            if x is not None and x <= 0:
-                raise PlanError(f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes "
-                                f"(the memory limit less its static state) is under the {reserve[r]:.4g} bytes its "
-                                "largest stage's transient, the activations a recomputing backward rebuilds and its "
-                                "message buffers need")
     pristine = _copy_stages(graph) if limited or budget_s > 0 else None
     search = None
     hint: dict = {}  # the interleaver's best window candidate: the family the search's rollouts are scored in
@@ -170,7 +167,9 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         return [0.0 if budgets[r] is None else res.peak_memory[r] - static[r] - budgets[r] for r in range(P)]
 
     tol = 1e-9 * max((x or 0.0 for x in budgets), default=0.0)
-    try:
+
+    def plan_under(limits):
+        """Plan, then re-plan under smaller budgets until the simulated plan fits (transients and buffers timed)."""
         sched = plan_once(limits)
         for attempt in range(MEMORY_ATTEMPTS if limited else 0):  # checked in the simulator, re-made smaller
             over = over_limit(sched)
@@ -185,12 +184,55 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                                 f"transients and message buffers are counted ({attempt + 1} plans tried)")
             _take(graph, pristine)
             sched = plan_once(limits)
-    except PlanError as e:
-        if not limited:
-            raise
-        net = ", ".join(f"rank {r}: {limits[r]:.4g}" for r in range(P) if limits[r] is not None)
-        raise PlanError(f"{e} [activation budgets net of each rank's reserve for transients and message buffers: "
-                        f"{net} bytes]") from None
+        return sched, limits
+
+    if not limited:
+        sched, _ = plan_under(limits)
+    else:
+        # transients, message buffers and a recomputing backward's rebuild come out of the activation budget
+        # (DESIGN.md "Memory"); the rebuild's share depends on the strategies offered: each policy is planned, the
+        # fastest plan that fits is kept
+        best, errors = None, []
+        for policy in _rebuild_policies(workload, P, options, budgets):
+            reserve, rebuild = _buffer_reserve(workload, P, options, budgets, policy)
+            allowed.clear()
+            for k, opts in options.items():  # what rebuilds more than its rank keeps free for it is not an option
+                r = graph.stages[k].rank
+                allowed[k] = tuple(o for o in opts if o[0] == "keep" or o[3] <= rebuild[r] * (1 + 1e-9))
+            net = [None if x is None else x - reserve[r] for r, x in enumerate(budgets)]
+            short = [r for r, x in enumerate(net) if x is not None and x <= 0]
+            if short:
+                r = short[0]
+                errors.append(PlanError(
+                    f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes (the memory "
+                    f"limit less its static state) is under the {reserve[r]:.4g} bytes its largest stage's transient, "
+                    "the activations a recomputing backward rebuilds and its message buffers need"))
+                continue
+            _take(graph, pristine)
+            for k in options:
+                graph.stages[k].options = allowed[k] if ilp else ()
+            hint.clear()
+            try:
+                sched, limits = plan_under(net)
+            except PlanError as e:
+                text = ", ".join(f"rank {r}: {net[r]:.4g}" for r in range(P) if net[r] is not None)
+                errors.append(PlanError(f"{e} [activation budgets net of each rank's reserve for transients and "
+                                        f"message buffers: {text} bytes]"))
+                continue
+            if best is None or sched.iteration_time < best[0].iteration_time * (1 - 1e-9):
+                best = (sched, limits, _copy_stages(graph), dict(allowed), dict(hint))
+        if best is None:
+            raise errors[0]
+        sched, limits, g, kept_allowed, kept_hint = best
+        _take(graph, g)
+        for k, st in g.stages.items():
+            graph.stages[k].options = st.options
+        allowed.clear()
+        allowed.update(kept_allowed)
+        hint.clear()
+        hint.update(kept_hint)
+        for k in options:  # the search starts from the stages as they were, with the chosen policy's options
+            pristine.stages[k].options = allowed[k] if ilp else ()
     if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities, once, verified
         from .search import search_priorities
 
@@ -248,11 +290,28 @@ MEMORY_ATTEMPTS = 6
 WINDOWS = (1.5, 2, 3, 4)
 
 
-def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
-    """Per rank, bytes per GPU kept out of the activation budget for what lives only around a stage: the largest
-    stage's transient plus the messages it receives, the largest activations a recomputing backward rebuilds,
-    another stage's receives (posted one action ahead) and two sends' packed copies in flight (DESIGN.md "Memory";
-    the simulator then checks the plan with every buffer timed)."""
+#: rebuild policies of :func:`_buffer_reserve`
+REBUILD_POLICIES = ("whole", "layer")
+
+
+def _buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
+                    budgets: Sequence[float | None] | None = None,
+                    policy: str = "whole") -> tuple[list[float], list[float]]:
+    """Per rank, ``(bytes per GPU kept out of the activation budget, of which the allowance for a recomputing
+    backward's rebuild)``: the reserve is for what lives only around a stage - the largest stage's transient plus
+    the messages it receives, the activations a recomputing backward rebuilds, another stage's receives (posted one
+    action ahead) and two sends' packed copies in flight (DESIGN.md "Memory"; the simulator then checks the plan
+    with every buffer timed).
+
+    The rebuild allowance: any pair may be made to recompute, so the largest rebuild offered is kept free.
+    ``policy`` "whole": a whole chunk rebuilt at once ("recompute" keeps only the chunk's inputs, its backward
+    rebuilds all it did not keep), on every rank where that leaves activation memory (``budgets``: the limit less
+    the static state, bytes); "layer" (and "whole" where a whole rebuild does not fit): the largest
+    one-layer-at-a-time rebuild (per-layer recompute of every layer, :func:`dipc.planner.workload.rebuild_need`),
+    and only strategies rebuilding at most that are offered (``options``: forward ->
+    :func:`dipc.planner.workload.memory_options`; without them, the "whole" allowance)."""
+    if policy not in REBUILD_POLICIES:
+        raise ValueError(f"unknown rebuild policy {policy!r}; known: {REBUILD_POLICIES}")
     T = w.tp_size
     recv: dict[str, float] = defaultdict(float)
     send: dict[str, float] = defaultdict(float)
@@ -261,19 +320,35 @@ def _buffer_reserve(w: StepWorkload, P: int) -> list[float]:
             nb = sum(t.nbytes for t in e.tensors) / T
             recv[e.dst] += nb
             send[e.src] += nb
-    out = []
+    out, allowance = [], []
     for r in range(P):
         ks = [k for k, st in w.graph.stages.items() if st.rank == r]
         top = max((w.graph.stages[k].transient_bytes + recv[k] for k in ks), default=0.0)
-        # a backward that recomputes holds again what its forward did not keep (at most the chunk's activations
-        # less its inputs): any pair may be made to recompute, so the largest is kept free
-        again = max((w.graph.stages[k].activation_bytes - _input_bytes(w, k) for k in ks
-                     if w.graph.stages[k].kind == "F" and w.graph.stages[k].strategy == "keep"), default=0.0)
+        fwd = [k for k in ks if w.graph.stages[k].kind == "F" and w.graph.stages[k].strategy == "keep"]
+        whole = max((w.graph.stages[k].activation_bytes - _input_bytes(w, k) for k in fwd), default=0.0)
         forced = max((w.graph.stages[k].keep_bytes - w.graph.stages[k].activation_bytes for k in ks
                       if w.graph.stages[k].kind == "F" and w.graph.stages[k].keep_bytes is not None), default=0.0)
-        out.append(top + max(again, forced, 0.0) + max((recv[k] for k in ks), default=0.0)
-                   + 2 * max((send[k] for k in ks), default=0.0))
-    return out
+        base = top + max((recv[k] for k in ks), default=0.0) + 2 * max((send[k] for k in ks), default=0.0)
+        again = max(whole, 0.0)
+        if options is not None:
+            one_layer = max((rebuild_need(options[k]) for k in fwd if k in options), default=0.0)
+            again = max(again, one_layer)
+            budget = None if budgets is None else budgets[r]
+            if policy == "layer" or (budget is not None and base + max(again, forced) >= budget):
+                again = one_layer
+        allowance.append(again)
+        out.append(base + max(again, forced, 0.0))
+    return out, allowance
+
+
+def _rebuild_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[str]:
+    """The rebuild policies of :func:`_buffer_reserve` worth planning: "whole", and "layer" where it frees more
+    than 5% of some rank's activation budget."""
+    whole, _ = _buffer_reserve(w, P, options, budgets, "whole")
+    layer, _ = _buffer_reserve(w, P, options, budgets, "layer")
+    if any(b is not None and whole[r] - layer[r] > 0.05 * b for r, b in enumerate(budgets)):
+        return ["whole", "layer"]
+    return ["whole"]
 
 
 def _take(graph: StageGraph, g: StageGraph) -> None:
@@ -282,6 +357,7 @@ def _take(graph: StageGraph, g: StageGraph) -> None:
         o = graph.stages[k]
         o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
         o.keep_bytes, o.recompute_extra, o.priority = st.keep_bytes, st.recompute_extra, st.priority
+        o.rebuild_bytes = st.rebuild_bytes
 
 
 def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=(), *,

@@ -267,14 +267,17 @@ def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True)
     return n
 
 
-def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float]]:
+def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, float]]:
     """The memory strategies forward ``fk``'s pair may take (DESIGN.md "Memory"; DIP §2.5's per-layer
-    candidates): ``(strategy, bytes per GPU its forward keeps until the backward, seconds its backward grows by)``
-    for "keep", "recompute:k" for every k in 1 .. blocks - 1 (the chunk's first k blocks recompute: their saved
-    bytes are replaced by the chunk's inputs, their forward seconds join the backward) and "recompute" (the whole
-    chunk, the inputs only).  Per-block seconds and bytes come from the compiled per-block costs on the device
-    profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split evenly
-    over its blocks.  The forward must still be at "keep"."""
+    candidates): ``(strategy, bytes per GPU its forward keeps until the backward, seconds its backward grows by,
+    bytes per GPU its backward holds again while it recomputes)`` for "keep", "recompute:k" for every k in
+    1 .. layers (each of the chunk's first k layers is its own activation checkpoint: it keeps its inputs instead of
+    its saved bytes, its forward seconds join the backward, and the backward rebuilds one layer at a time, the
+    largest of them at its peak), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
+    chunk's inputs, and the backward rebuilds all k at once) and "recompute" (the whole chunk as one region: its inputs only are kept, and the
+    backward rebuilds all of it at once).  Per-layer seconds and bytes come from the compiled per-layer costs on
+    the device profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split
+    evenly over its layers, each reading as much as the chunk's inputs.  The forward must still be at "keep"."""
     st = w.graph.stages[fk]
     if st.strategy != "keep":
         raise PlanError(f"memory options of {fk} are taken from its 'keep' costs; it is at {st.strategy!r}")
@@ -282,20 +285,38 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float]]:
     cm = prog.chunks[st.chunk]
     keep, f_lat = st.activation_bytes, st.latency
     inputs = _input_bytes(w, fk)
-    out = [("keep", keep, 0.0)]
+    out = [("keep", keep, 0.0, 0.0)]
     blocks = prog.block_costs(st.chunk, w.bindings[fk])
     if blocks is None:
-        n = max(cm.n_blocks, 1)
-        blocks = [(1.0 / n, keep / n)] * n
-    total_f = sum(f for f, _ in blocks) or 1.0
-    done_f, kept_after = 0.0, sum(a for _, a in blocks)
-    for k in range(1, len(blocks)):
-        done_f += blocks[k - 1][0]
-        kept_after -= blocks[k - 1][1]
-        out.append((f"recompute:{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f))
+        n = max(cm.n_layers, 1)
+        blocks = [(1.0 / n, keep / n, inputs)] * n
+    total_f = sum(b[0] for b in blocks) or 1.0
+    done_f, done_a, held, rebuild, kept_after = 0.0, 0.0, 0.0, 0.0, sum(b[1] for b in blocks)
+    for k in range(1, len(blocks) + 1):
+        f, a, i = blocks[k - 1]
+        done_f += f
+        done_a += a
+        kept_after -= a
+        held += i
+        rebuild = max(rebuild, a)
+        out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), f_lat * done_f / total_f,
+                    min(rebuild, keep)))
+        if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
+            out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f,
+                        min(done_a, keep)))
     if inputs < keep:
-        out.append(("recompute", inputs, f_lat))
+        out.append(("recompute", inputs, f_lat, keep - inputs))
     return out
+
+
+def rebuild_need(options) -> float:
+    """Bytes a pair's backward must be able to rebuild when it recomputes in the least memory that rebuilds one
+    layer at a time: the rebuild of its last per-layer option ("recompute:<all layers>") of
+    :func:`memory_options`, or, without one, of its whole-chunk "recompute" (0 when it has neither)."""
+    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0]]
+    if per_block:
+        return per_block[-1][3]
+    return max((o[3] for o in options if o[0] == "recompute"), default=0.0)
 
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:

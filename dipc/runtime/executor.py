@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
-from ..plan import RECVS, SENDS, Plan, PlanError, recomputed_blocks, stage_key, validate
+from ..plan import RECVS, SENDS, Plan, PlanError, recompute_layout, stage_key, validate
 from ..schedule import Stage
 
 from .messages import _layout, _pack, _status, _unpack
@@ -274,9 +274,9 @@ class Executor:
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
                 out = mod(**kwargs)
-        elif a.strategy != "keep":  # "recompute:k": the first k blocks under activation checkpointing
+        elif a.strategy != "keep":  # "recompute:k/g": the first k layers under checkpoints of g layers each
             with torch.enable_grad():
-                out = self._prefix_module(prog, a.chunk, recomputed_blocks(a.strategy))(**kwargs)
+                out = self._prefix_module(prog, a.chunk, *recompute_layout(a.strategy))(**kwargs)
         else:
             with torch.enable_grad():
                 out = mod(**kwargs)
@@ -347,14 +347,15 @@ class Executor:
             cache[k] = with_outputs(gm, nodes)
         return cache[k]
 
-    def _prefix_module(self, prog, chunk: int, k: int):
-        """The chunk's module with its first ``k`` blocks checkpointed (:func:`dipc.codegen.stage.recompute_prefix`),
+    def _prefix_module(self, prog, chunk: int, k: int, g: int = 1):
+        """The chunk's module with its first ``k`` layers in checkpoints of ``g`` layers
+        (:func:`dipc.codegen.stage.recompute_prefix`),
         built on first use and kept with the chunk modules."""
         gm = self.mods[(id(prog), chunk)]
         cache = gm.__dict__.setdefault("_dipc_recompute_prefix", {})
-        if k not in cache:
-            cache[k] = recompute_prefix(gm, k)
-        return cache[k]
+        if (k, g) not in cache:
+            cache[(k, g)] = recompute_prefix(gm, k, g)
+        return cache[(k, g)]
 
     def _meta(self, pk, pname):
         return self.w.programs[pk].chunks[self.w.graph.stages[pk].chunk].output_meta[pname]
