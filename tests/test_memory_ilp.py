@@ -247,3 +247,48 @@ def test_limits_are_monotone_and_bad_planning_arguments_are_refused():
         dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, modalities={"vision": ["vision_tower"]})
     with pytest.raises(ValueError, match="one_segment must be True or False"):
         dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment="no")
+
+
+def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradients():
+    """Issue 8: one-segment chunks (Megatron VPP's partition: chunks mixing modalities) under 1F1B at the tightest
+    limit that fits (searched in steps of 10 kB) take per-layer strategies ("recompute:k", each layer its own
+    checkpoint, or "recompute:k/k", one checkpoint); the plan fits once simulated and run_local gives the unsplit
+    model's loss and gradients, in two batch orders (text-only microbatches first).  The planner's reserve for a
+    one-layer-at-a-time rebuild is smaller than for a whole chunk's."""
+    from dipc.planner.planning import _buffer_reserve
+    from dipc.runtime import build_workload, memory_options, run_local, split_for
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 4)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, balance="params",
+                     chunks_per_rank={"model": 2}, device="h800")
+    static = max(c.rank_state_bytes())
+    for counts in ([0, 0, 3, 2, 1, 2], [3, 2, 1, 2, 0, 0]):
+        b = pc.vlm_batch(counts, 16, 8)
+        n = len(counts)
+        w = build_workload(c, split_for(c, b, n, "1f1b"))
+        options = {k: memory_options(w, k) for k, st in w.graph.stages.items() if st.kind == "F"}
+        layer, _ = _buffer_reserve(w, 2, options, None, "layer")
+        whole, _ = _buffer_reserve(w, 2, options, None, "whole")
+        assert all(x < y for x, y in zip(layer, whole)), (layer, whole)
+        free = max(dipc.simulate(c, b, n, schedule="1f1b")[0].peak_memory)
+        limit = static + 10_000
+        while True:
+            try:
+                res, plan = dipc.simulate(c, b, n, schedule="1f1b", memory_limit=limit)
+                break
+            except PlanError:
+                limit += 10_000
+                assert limit < free
+        assert max(res.peak_memory) <= limit * (1 + 1e-9)
+        used = {a.strategy for _, a in plan.compute_actions()}
+        assert any(s.startswith("recompute:") for s in used), used
+        model.zero_grad(set_to_none=True)
+        ref = model(**b)
+        ref.backward()
+        want = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        loss, _ = run_local(c, b, n, plan, schedule="1f1b")
+        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
