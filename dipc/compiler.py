@@ -121,6 +121,25 @@ class CompiledPipeline:
         self.partition: Partition = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
                                               module_latency=module_latency, node_seconds=weights,
                                               split_points=split_points)
+        capacity = getattr(device, "memory_capacity", None) if device is not None else None
+        if capacity and balance == "time" and split_points is None:
+            # a time balance may pile parameters onto few ranks (a language model's layers cost less time per
+            # parameter than a vision encoder's over many image tokens): keep each chunk's parameters, gradients
+            # and optimizer states under half the device's memory over the rank's chunks, as nnScaler's planner
+            # keeps every stage within the device
+            state = _state_weights(cap, model, tp_size)
+            per_rank = [0.0] * pp_size
+            for n in cap.graph.nodes:
+                if n.op == "call_function":
+                    per_rank[self.partition.chunks[n.meta["dipc_chunk"]].rank] += state.get(n.name, 0.0)
+            if max(per_rank) > STATE_SHARE * capacity:
+                k = sum(self.partition.chunks_per_rank.values())
+                self.partition = partition(cap.graph, pp_size, chunks_per_rank=dict(self.partition.chunks_per_rank),
+                                           module_latency=module_latency, node_seconds=weights,
+                                           node_bytes=state, max_chunk_bytes=STATE_SHARE * capacity / k)
+                self.partition.notes = {m: v + f"; chunks capped at {STATE_SHARE * capacity / k:.3g} bytes of "
+                                        "parameters, gradients and optimizer states per GPU (a time balance put "
+                                        f"{max(per_rank):.3g} on one rank)" for m, v in self.partition.notes.items()}
         self.check_notes = place_checks(cap.graph, self.partition)
         if self.rules_matched is False:
             self.partition.notes[self.partition.modalities[0]] += (
@@ -844,6 +863,31 @@ def _example_bytes(v) -> float:
         hint = getattr(getattr(d, "node", None), "hint", None)
         n *= int(hint) if hint is not None else (int(d) if not hasattr(d, "node") else 1)
     return float(n * v.element_size())
+
+
+#: the share of device memory a rank's parameters, gradients and optimizer states may take under a time balance
+STATE_SHARE = 0.7
+
+
+def _state_weights(cap: Capture, model: torch.nn.Module, tp_size: int, optimizer_states: int = 2) -> dict[str, float]:
+    """Node name -> bytes per GPU of the parameters it is the first to read, with their gradients and
+    ``optimizer_states`` optimizer tensors as :meth:`CompiledPipeline.rank_state_bytes` counts them (a 16-bit
+    parameter: 2 + 4 x (2 + states) bytes, mixed precision), ÷ ``tp_size``."""
+    per: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        kind, fqn = cap.state_targets.get(n.name, (None, None))
+        if n.op == "placeholder" and kind == "parameter":
+            v = n.meta.get("val")
+            if v is None:
+                continue
+            es = v.element_size()
+            b = v.numel() * (es + 4 * (2 + optimizer_states) if es < 4 else es * (2 + optimizer_states))
+            per[n.name] = b / tp_size
+    out: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            out[n.name] = sum(per.pop(a.name) for a in n.all_input_nodes if a.name in per)
+    return out
 
 
 def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:

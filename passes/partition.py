@@ -122,17 +122,32 @@ def layer_of(block_name: str) -> str:
     return block_name
 
 
-def balanced_cuts(costs: list[float], n_parts: int) -> list[tuple[int, int]]:
-    """Split ``costs`` (one per block) into ``n_parts`` contiguous non-empty ranges minimising the largest sum.
+def _weight_ok(weights: Sequence[float] | None, weight_cap: float | None):
+    """``ok(j, i)``: blocks ``j .. i-1`` weigh at most ``weight_cap`` (always true without a cap)."""
+    if weights is None or weight_cap is None:
+        return lambda j, i: True
+    wp = [0.0]
+    for w in weights:
+        wp.append(wp[-1] + w)
+    cap = weight_cap * (1 + 1e-12)
+    return lambda j, i: wp[i] - wp[j] <= cap
+
+
+def balanced_cuts(costs: list[float], n_parts: int, weights: Sequence[float] | None = None,
+                  weight_cap: float | None = None) -> list[tuple[int, int]]:
+    """Split ``costs`` (one per block) into ``n_parts`` contiguous non-empty ranges minimising the largest sum;
+    with ``weights`` (one per block, e.g. parameter bytes) and ``weight_cap``, each range weighs at most the cap.
 
     Returns ``[(lo, hi), ...]`` half-open block ranges covering every block exactly once.
 
     Raises:
-        PartitionError: ``n_parts`` exceeds the number of blocks or is < 1.
+        PartitionError: ``n_parts`` exceeds the number of blocks or is < 1; no cut keeps every range under
+            ``weight_cap``.
     """
     L = len(costs)
     if n_parts < 1 or n_parts > L:
         raise PartitionError(f"cannot cut {L} blocks into {n_parts} chunks")
+    ok = _weight_ok(weights, weight_cap)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -144,10 +159,15 @@ def balanced_cuts(costs: list[float], n_parts: int) -> list[tuple[int, int]]:
     for k in range(1, n_parts + 1):
         for i in range(k, L - (n_parts - k) + 1):
             for j in range(k - 1, i):
+                if not ok(j, i):
+                    continue
                 v = max(best[k - 1][j], prefix[i] - prefix[j])
                 if v < best[k][i] - 1e-12 * max(1.0, abs(v)):
                     best[k][i] = v
                     arg[k][i] = j
+    if best[n_parts][L] == INF:
+        raise PartitionError(f"no cut of {L} blocks into {n_parts} chunks keeps every chunk under {weight_cap:.4g} "
+                             f"(largest block {max(weights):.4g}, total {sum(weights):.4g})")
     return _unwind(arg, L, n_parts)
 
 
@@ -161,9 +181,12 @@ def _unwind(arg, L: int, n_parts: int) -> list[tuple[int, int]]:
 
 
 def min_crossing_cuts(costs: Sequence[float], crossing: Sequence[float], n_parts: int,
-                      cap: float) -> list[tuple[int, int]] | None:
-    """Contiguous ranges of ``costs`` into ``n_parts`` parts, each summing to at most ``cap``, minimising the sum of
-    ``crossing[lo]`` over the parts' starts (the bytes sent across the cuts); ``None`` if no such cut exists."""
+                      cap: float, weights: Sequence[float] | None = None,
+                      weight_cap: float | None = None) -> list[tuple[int, int]] | None:
+    """Contiguous ranges of ``costs`` into ``n_parts`` parts, each summing to at most ``cap`` (and weighing at most
+    ``weight_cap`` when given), minimising the sum of ``crossing[lo]`` over the parts' starts (the bytes sent across
+    the cuts); ``None`` if no such cut exists."""
+    ok = _weight_ok(weights, weight_cap)
     L = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -178,6 +201,8 @@ def min_crossing_cuts(costs: Sequence[float], crossing: Sequence[float], n_parts
             for j in range(i - 1, k - 2, -1):
                 if prefix[i] - prefix[j] > cap:
                     break
+                if not ok(j, i):
+                    continue
                 v = best[k - 1][j] + (crossing[j] if j > 0 else 0.0)
                 if v < best[k][i]:
                     best[k][i] = v
@@ -279,7 +304,9 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
               chunks_per_rank: Mapping[str, int] | None = None,
               module_latency: Mapping[str, float] | None = None,
               node_seconds: Mapping[str, float] | None = None,
-              split_points: Mapping[str, Sequence[str]] | None = None) -> Partition:
+              split_points: Mapping[str, Sequence[str]] | None = None,
+              node_bytes: Mapping[str, float] | None = None,
+              max_chunk_bytes: float | None = None) -> Partition:
     """Cut every modality module of an annotated graph into ``pp_size * K_i`` chunks (see the module docstring).
 
     Args:
@@ -293,6 +320,9 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
             0) instead of the first estimate's ``node_latency(dipc_cost)``.
         split_points: modality -> module paths to cut before (``{"text": ["language_model.layers.8"]}``); that
             modality then has ``len(points) + 1`` chunks, a multiple of ``pp_size``.
+        node_bytes, max_chunk_bytes: node name -> bytes it holds for good (parameters, gradients, optimizer
+            states); with both, every balanced chunk holds at most ``max_chunk_bytes`` (a balance under memory, as
+            nnScaler's planner keeps each stage within the device).
 
     Returns:
         a :class:`Partition`; nodes get ``dipc_block`` and ``dipc_chunk`` metadata.
@@ -372,20 +402,30 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
             cuts = list(zip(starts[:-1], starts[1:]))
             notes[m] = f"split at {points[m]}"
         else:
+            def weights(of, n_blocks):
+                if node_bytes is None or max_chunk_bytes is None:
+                    return None
+                out = [0.0] * n_blocks
+                for n, b in zip(mod.nodes, of):
+                    out[b] += float(node_bytes.get(n.name, 0.0))
+                return out
+
             # (3) balance: refine the costliest calls while the best cut is far above its lower bound
             for _ in range(256):
                 of, costs = mod.blocks()
-                best = max(sum(costs[lo:hi]) for lo, hi in balanced_cuts(costs, n_parts))
+                wts = weights(of, len(costs))
+                best = max(sum(costs[lo:hi]) for lo, hi in balanced_cuts(costs, n_parts, wts, max_chunk_bytes))
                 indivisible = max((c for b, c in enumerate(costs) if not mod.frontier[b].children), default=0.0)
                 # a call under a tenth of a chunk cannot unbalance a cut by more than the tolerance on its own
                 if best <= (1 + BALANCE_TOLERANCE) * max(sum(costs) / n_parts, indivisible) or \
                         not mod.expand_largest(above=BALANCE_TOLERANCE * sum(costs) / n_parts):
                     break
             of, costs = mod.blocks()
-            best = max(sum(costs[lo:hi]) for lo, hi in balanced_cuts(costs, n_parts))
+            wts = weights(of, len(costs))
+            best = max(sum(costs[lo:hi]) for lo, hi in balanced_cuts(costs, n_parts, wts, max_chunk_bytes))
             cross = crossing_bytes(mod.nodes, of, len(costs))
-            cuts = min_crossing_cuts(costs, cross, n_parts, best * (1 + CROSSING_SLACK)) or \
-                balanced_cuts(costs, n_parts)
+            cuts = min_crossing_cuts(costs, cross, n_parts, best * (1 + CROSSING_SLACK), wts, max_chunk_bytes) or \
+                balanced_cuts(costs, n_parts, wts, max_chunk_bytes)
             notes[m] = "cut between module calls"
         crossing[m] = crossing_bytes(mod.nodes, of, len(costs))
         block_keys[m] = [c.key for c in mod.frontier] or ["(glue)"]

@@ -23,6 +23,26 @@ def test_cuts_cover_every_block_once_and_are_optimal(costs, data):
     assert got == pytest.approx(best, rel=1e-9, abs=1e-9)
 
 
+@settings(max_examples=200, deadline=None)
+@given(costs=st.lists(st.floats(0, 100), min_size=1, max_size=8), data=st.data())
+def test_cuts_under_a_weight_cap_are_optimal_or_refused(costs, data):
+    """A balance under memory (nnScaler*'s time balance at 80 GB): every chunk's weight (parameter bytes) stays
+    under the cap, the largest cost is the brute-force optimum among the cuts that do, and no such cut is an error."""
+    n = data.draw(st.integers(1, len(costs)))
+    weights = data.draw(st.lists(st.floats(0, 10), min_size=len(costs), max_size=len(costs)))
+    cap = data.draw(st.floats(0, 40))
+    feasible = [c for c in itertools.combinations(range(1, len(costs)), n - 1)
+                if all(sum(weights[a:b]) <= cap for a, b in zip((0,) + c, c + (len(costs),)))]
+    if not feasible:
+        with pytest.raises(PartitionError, match="keeps every chunk under"):
+            balanced_cuts(costs, n, weights, cap)
+        return
+    cuts = balanced_cuts(costs, n, weights, cap)
+    assert all(sum(weights[lo:hi]) <= cap * (1 + 1e-9) for lo, hi in cuts)
+    best = min(max(sum(costs[a:b]) for a, b in zip((0,) + c, c + (len(costs),))) for c in feasible)
+    assert max(sum(costs[lo:hi]) for lo, hi in cuts) == pytest.approx(best, rel=1e-9, abs=1e-9)
+
+
 def test_uneven_layers_are_not_lost():
     cuts = balanced_cuts([1.0] * 7, 4)
     assert sorted(b for lo, hi in cuts for b in range(lo, hi)) == list(range(7))
