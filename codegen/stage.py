@@ -366,27 +366,27 @@ class _Checkpointed(torch.nn.Module):
         return cp.checkpoint(self.inner, *args, use_reentrant=False)
 
 
+def _first_seen(gm: torch.fx.GraphModule | torch.fx.Graph, key: str) -> list:
+    """Distinct values of ``node.meta[key]`` on a graph's compute nodes, in graph order of their first node."""
+    out: list = []
+    for n in (gm.graph if isinstance(gm, torch.fx.GraphModule) else gm).nodes:
+        v = n.meta.get(key) if n.op == "call_function" else None
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
 def chunk_blocks(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[int]:
     """The partition's blocks (``node.meta["dipc_block"]``, :mod:`dipc.passes.blocks`) a chunk module runs, in
     graph order."""
-    out: list[int] = []
-    for n in (gm.graph if isinstance(gm, torch.fx.GraphModule) else gm).nodes:
-        b = n.meta.get("dipc_block") if n.op == "call_function" else None
-        if b is not None and b not in out:
-            out.append(b)
-    return out
+    return _first_seen(gm, "dipc_block")
 
 
 def chunk_layers(gm: torch.fx.GraphModule | torch.fx.Graph) -> list[str]:
     """The layers (``node.meta["dipc_layer"]``, :func:`dipc.passes.partition.layer_of`: a numbered layer such as
     ``language_model.layers.3``, or a block outside any numbered list) a chunk module runs, in graph order of
     their first node: the units of per-layer recompute."""
-    out: list[str] = []
-    for n in (gm.graph if isinstance(gm, torch.fx.GraphModule) else gm).nodes:
-        v = n.meta.get("dipc_layer") if n.op == "call_function" else None
-        if v is not None and v not in out:
-            out.append(v)
-    return out
+    return _first_seen(gm, "dipc_layer")
 
 
 def recompute_prefix(gm: torch.fx.GraphModule, n_layers: int, group: int = 1) -> torch.fx.GraphModule:

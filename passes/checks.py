@@ -16,7 +16,7 @@ import networkx as nx
 import torch.fx
 
 from dipc.capture import ASSERTS
-from .partition import layer_of
+from .partition import node_layer
 
 __all__ = ["place_checks", "is_check"]
 
@@ -82,7 +82,7 @@ def place_checks(graph: torch.fx.Graph, part) -> list[str]:
             n.meta["dipc_chunk"] = target
             n.meta["dipc_modality"] = c.modality
             n.meta["dipc_block"] = c.blocks[0]
-            n.meta["dipc_layer"] = layer_of(part.block_names[c.modality][c.blocks[0]])
+            n.meta["dipc_layer"] = node_layer(n, part.block_names[c.modality][c.blocks[0]])
     return notes
 
 

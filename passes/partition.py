@@ -35,6 +35,7 @@ import torch.fx
 
 from .blocks import Call, assign, call_tree, crossing_bytes, expand, walk
 from .cost import ZERO, NodeCost, node_latency
+from .modality import module_path
 
 __all__ = ["ChunkInfo", "Partition", "balanced_cuts", "layer_of", "min_crossing_cuts", "partition", "apply_partition",
            "PartitionError", "chunks_per_rank_rule"]
@@ -114,7 +115,8 @@ def layer_of(block_name: str) -> str:
     """The layer a block belongs to, the unit of per-layer activation recompute (Megatron's "layer" of
     ``--recompute-num-layers``): the module path up to the first numbered ``ModuleList`` index
     (``language_model.layers.3.self_attn.q_proj`` -> ``language_model.layers.3``), or the block's own path when it
-    is in no numbered list (``multi_modal_projector``).  Nodes carry it as ``node.meta["dipc_layer"]``."""
+    is in no numbered list (``multi_modal_projector``).  Nodes carry their :func:`node_layer` as
+    ``node.meta["dipc_layer"]``."""
     parts = block_name.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
@@ -131,6 +133,13 @@ def _weight_ok(weights: Sequence[float] | None, weight_cap: float | None):
         wp.append(wp[-1] + w)
     cap = weight_cap * (1 + 1e-12)
     return lambda j, i: wp[i] - wp[j] <= cap
+
+
+def node_layer(node: torch.fx.Node, block_name: str) -> str:
+    """The layer (:func:`layer_of`) of a node: of its innermost module call, whatever block the partition put it
+    in (a block may be a whole encoder whose layers are its sub-calls), else of its block."""
+    paths = module_path(node)
+    return layer_of(paths[-1] if paths else block_name)
 
 
 def balanced_cuts(costs: list[float], n_parts: int, weights: Sequence[float] | None = None,
@@ -432,7 +441,7 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
         block_names[m] = [c.path for c in mod.frontier] or ["(ops outside modules)"]
         for n, b in zip(mod.nodes, of):
             n.meta["dipc_block"] = b
-            n.meta["dipc_layer"] = layer_of(block_names[m][b])
+            n.meta["dipc_layer"] = node_layer(n, block_names[m][b])
         for pos, (lo, hi) in enumerate(cuts):
             idx = len(chunks)
             cost = sum((n.meta.get("dipc_cost", ZERO) for n, b in zip(mod.nodes, of) if lo <= b < hi), ZERO)
@@ -465,5 +474,5 @@ def apply_partition(graph: torch.fx.Graph, part: Partition) -> None:
     for m, ns in by_mod.items():
         for n, b in zip(ns, assign(ns, part.block_keys[m])):
             n.meta["dipc_block"] = b
-            n.meta["dipc_layer"] = layer_of(part.block_names[m][b])
+            n.meta["dipc_layer"] = node_layer(n, part.block_names[m][b])
             n.meta["dipc_chunk"] = part.block_to_chunk[(m, b)]
