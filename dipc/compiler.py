@@ -28,7 +28,7 @@ from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary,
 from .passes.checks import place_checks
 from .passes.datasizes import size_program
 from .passes.lossform import loss_form
-from .passes.partition import Partition, apply_partition, partition
+from .passes.partition import Partition, PartitionError, apply_partition, partition
 from .program import Program, _bindings, _carries_grad, _check_acyclic, _data_dependent, _tied_dims, index_ranges
 from .families import _auto_instances, _loss_from_form
 from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
@@ -125,7 +125,7 @@ class CompiledPipeline:
         if capacity and balance == "time" and split_points is None:
             # a time balance may pile parameters onto few ranks (a language model's layers cost less time per
             # parameter than a vision encoder's over many image tokens): keep each chunk's parameters, gradients
-            # and optimizer states under half the device's memory over the rank's chunks, as nnScaler's planner
+            # and optimizer states under 70% of the device's memory over the rank's chunks, as nnScaler's planner
             # keeps every stage within the device
             state = _state_weights(cap, model, tp_size)
             per_rank = [0.0] * pp_size
@@ -134,12 +134,19 @@ class CompiledPipeline:
                     per_rank[self.partition.chunks[n.meta["dipc_chunk"]].rank] += state.get(n.name, 0.0)
             if max(per_rank) > STATE_SHARE * capacity:
                 k = sum(self.partition.chunks_per_rank.values())
-                self.partition = partition(cap.graph, pp_size, chunks_per_rank=dict(self.partition.chunks_per_rank),
-                                           module_latency=module_latency, node_seconds=weights,
-                                           node_bytes=state, max_chunk_bytes=STATE_SHARE * capacity / k)
-                self.partition.notes = {m: v + f"; chunks capped at {STATE_SHARE * capacity / k:.3g} bytes of "
-                                        "parameters, gradients and optimizer states per GPU (a time balance put "
-                                        f"{max(per_rank):.3g} on one rank)" for m, v in self.partition.notes.items()}
+                try:
+                    capped = partition(cap.graph, pp_size, chunks_per_rank=dict(self.partition.chunks_per_rank),
+                                       module_latency=module_latency, node_seconds=weights,
+                                       node_bytes=state, max_chunk_bytes=STATE_SHARE * capacity / k)
+                except PartitionError:  # no cut under equal per-chunk shares: keep the plain time balance
+                    capped = partition(cap.graph, pp_size, chunks_per_rank=chunks_per_rank,
+                                       module_latency=module_latency, node_seconds=weights,
+                                       split_points=split_points)
+                else:
+                    capped.notes = {m: v + f"; chunks capped at {STATE_SHARE * capacity / k:.3g} bytes of "
+                                    "parameters, gradients and optimizer states per GPU (a time balance put "
+                                    f"{max(per_rank):.3g} on one rank)" for m, v in capped.notes.items()}
+                self.partition = capped
         self.check_notes = place_checks(cap.graph, self.partition)
         if self.rules_matched is False:
             self.partition.notes[self.partition.modalities[0]] += (
