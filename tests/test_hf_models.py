@@ -95,6 +95,51 @@ def _llava_per_layer_recompute(rank, world):
     return seen
 
 
+def _llava_eval_outputs(rank, world):
+    """Forward-only evaluation handing back Hugging Face LLaVA's logits (issue 11, point 1): on the last rank the
+    whole batch's ``[B, S, vocab]`` logits equal the unsplit model's under no_grad, with the labels (loss too) and
+    without them (no loss; the labels are filled with the ignore index), text-only microbatches first."""
+    import pipeline_cases as pc
+    import torch
+
+    import dipc
+
+    torch.manual_seed(0)
+    model = pc.llava()
+    batches = pc.llava_batches_mixed()
+    compiled = dipc.compile(model, batches[0], world, check=False)
+    assert compiled.outputs == ["logits"], compiled.outputs
+    pipe = compiled.runtime(n_microbatches=2, timeout=120)
+    pipe.eval()
+    model.eval()
+    seen = 0
+    for b in (batches[2], batches[1]):  # batches[2]: its first microbatch has no image
+        with torch.no_grad():
+            want = model(**b)
+        loss, got = pipe.eval_step(b, outputs=["logits"])
+        torch.testing.assert_close(loss, want.loss.float(), rtol=1e-5, atol=1e-6)
+        unlabelled = {k: v for k, v in b.items() if k != "labels"}
+        none, got2 = pipe.eval_step(unlabelled, outputs="logits", n_microbatches=4)
+        assert none is None
+        if rank == world - 1:
+            torch.testing.assert_close(got["logits"], want.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got2["logits"], want.logits, rtol=1e-5, atol=1e-5)
+            seen += 1
+        else:
+            assert got is None and got2 is None
+    # an unknown output and labels left out without outputs are refused on every rank
+    import pytest
+    with pytest.raises(ValueError, match="hidden_states"):
+        pipe.eval_step(batches[1], outputs=["hidden_states"])
+    with pytest.raises(ValueError, match="no 'labels'"):
+        pipe.eval_step({k: v for k, v in batches[1].items() if k != "labels"})
+    # and the pipeline still trains after them
+    pipe.train()
+    model.train()
+    pipe.step(batches[3])
+    return seen
+
+
 def _check(names):
     reports = spawn(_train_all, 2, (names,), timeout=850)
     for name in names:
