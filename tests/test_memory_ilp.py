@@ -292,3 +292,59 @@ def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradie
         torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
         for k, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_uniform_checkpoint_groups_are_offered_run_with_the_unsplit_gradients_and_bad_layer_counts_fail_early():
+    """Megatron's uniform recompute ("recompute:n/g": all n layers of a chunk in checkpoints of g) is a memory
+    option between every layer its own checkpoint and one checkpoint over all (it keeps fewer inputs than the
+    first, rebuilds less than the second); forced on every pair of a one-segment 1F1B plan it gives the unsplit
+    model's loss and gradients in two batch orders (text-only first).  A plan asking a chunk to recompute more
+    layers than it has is refused before any gradient accumulates (a break-it run found it failing mid-step)."""
+    import dataclasses
+
+    from dipc.planner.planning import _buffer_reserve
+    from dipc.runtime import build_workload, memory_options, run_local, split_for
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 6)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, balance="params",
+                     chunks_per_rank={"model": 1}, device="h800")
+    for counts in ([0, 0, 2, 1], [3, 1, 0, 0]):
+        b = pc.vlm_batch(counts, 16, 8)
+        n = len(counts)
+        w = build_workload(c, split_for(c, b, n, "1f1b"))
+        options = {k: memory_options(w, k) for k, st in w.graph.stages.items() if st.kind == "F"}
+        layers = {}
+        for k, opts in options.items():
+            by = {o[0]: o for o in opts}
+            L = w.programs[k].chunks[w.graph.stages[k].chunk].n_layers
+            layers[w.graph.stages[k].chunk] = L
+            assert L >= 4, (k, L)
+            for g in range(2, L):
+                kept, extra, rebuild = by[f"recompute:{L}/{g}"][1:]
+                assert kept <= by[f"recompute:{L}"][1] and rebuild <= by[f"recompute:{L}/{L}"][3], (k, g, by)
+                assert extra == pytest.approx(by[f"recompute:{L}"][2])
+        layer, _ = _buffer_reserve(w, 2, options, None, "layer")
+        group, _ = _buffer_reserve(w, 2, options, None, "group:2")
+        assert all(x <= y for x, y in zip(layer, group)), (layer, group)
+        _, plan = dipc.simulate(c, b, n, schedule="1f1b")
+        model.zero_grad(set_to_none=True)
+        ref = model(**b)
+        ref.backward()
+        want = {k: p.grad.clone() for k, p in model.named_parameters()}
+        for g in (2, 3):
+            forced = dataclasses.replace(plan, ranks=[
+                [dataclasses.replace(a, strategy=f"recompute:{layers[a.chunk]}/{g}") if a.kind in ("F", "B") else a
+                 for a in acts] for acts in plan.ranks])
+            model.zero_grad(set_to_none=True)
+            loss, _ = run_local(c, b, n, forced, schedule="1f1b")
+            torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+            for k, p in model.named_parameters():
+                torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        too_many = dataclasses.replace(plan, ranks=[
+            [dataclasses.replace(a, strategy=f"recompute:{layers[a.chunk] + (a.chunk == 1)}")
+             if a.kind in ("F", "B") else a for a in acts] for acts in plan.ranks])
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(PlanError, match=r"chunk 1 runs \d+ layer\(s\) in this step's capture: recompute at most"):
+            run_local(c, b, n, too_many, schedule="1f1b")
+        assert all(p.grad is None for p in model.parameters())

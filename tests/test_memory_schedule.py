@@ -94,11 +94,13 @@ def test_cpu_model_flat_memory_and_recomputed_plans_equal_the_unsplit_model():
     lim = {n: dipc.simulate(c, batch(n), n, memory_limit=limit)[0] for n in (8, 32)}
     assert all(max(r.peak_memory) <= limit * (1 + 1e-9) for r in lim.values())
     assert lim[32].peak_memory[0] - c.rank_state_bytes()[0] <= 1.2 * peak[8]
-    # a limit under one microbatch's activations: stages recompute, and the gradients are still exact
+    # a limit under one microbatch's activations: stages recompute (wholly or some layers: the planner picks among
+    # "recompute", "recompute:k" and "recompute:n/g"; whole-chunk recompute alone is test_recompute.py's), and the
+    # gradients are still exact
     b = batch(8)
     tight = static + peak[8] / 8
     res, plan = dipc.simulate(c, b, 8, memory_limit=tight)
-    assert any(a.strategy == "recompute" for _, a in plan.compute_actions())
+    assert sum(a.strategy != "keep" for _, a in plan.compute_actions()) >= 8
     assert max(res.peak_memory) <= tight * (1 + 1e-9)
     from dipc.runtime import run_local
     model.zero_grad(set_to_none=True)
@@ -107,7 +109,7 @@ def test_cpu_model_flat_memory_and_recomputed_plans_equal_the_unsplit_model():
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     loss, plan = run_local(c, b, 8, memory_limit=tight)
-    assert any(a.strategy == "recompute" for _, a in plan.compute_actions())
+    assert sum(a.strategy != "keep" for _, a in plan.compute_actions()) >= 8
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

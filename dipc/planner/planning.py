@@ -13,7 +13,7 @@ from ..plan import Plan, PlanError, validate
 from .memory import optimize_memory
 from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
 
-from .workload import StepWorkload, memory_options, rebuild_need, _input_bytes
+from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -191,10 +191,20 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     else:
         # transients, message buffers and a recomputing backward's rebuild come out of the activation budget
         # (DESIGN.md "Memory"); the rebuild's share depends on the strategies offered: each policy is planned, the
-        # fastest plan that fits is kept
+        # fastest plan that fits is kept; the group policies only when no other fits
         best, errors = None, []
-        for policy in _rebuild_policies(workload, P, options, budgets):
-            reserve, rebuild = _buffer_reserve(workload, P, options, budgets, policy)
+        policies = _rebuild_policies(workload, P, options, budgets)
+        tried, grouped = 0, False
+        while True:
+            if tried == len(policies) and best is None and not grouped:
+                # neither a whole nor a one-layer rebuild fits: checkpoints of several layers (Megatron's uniform
+                # recompute) trade kept inputs for a larger rebuild
+                policies += _group_policies(workload, P, options, budgets)
+                grouped = True
+            if tried == len(policies) or (grouped and best is not None):
+                break  # every policy planned, or the first group size that fits
+            policy, (reserve, rebuild) = policies[tried]
+            tried += 1
             allowed.clear()
             for k, opts in options.items():  # what rebuilds more than its rank keeps free for it is not an option
                 r = graph.stages[k].rank
@@ -290,8 +300,24 @@ MEMORY_ATTEMPTS = 6
 WINDOWS = (1.5, 2, 3, 4)
 
 
-#: rebuild policies of :func:`_buffer_reserve`
+#: rebuild policies of :func:`_buffer_reserve` (besides "group:<g>", g >= 2)
 REBUILD_POLICIES = ("whole", "layer")
+
+
+def _group_size(policy: str) -> int:
+    """g of a rebuild policy: 1 for "layer", g for "group:<g>", 0 for "whole".
+
+    Raises:
+        ValueError: not a known policy."""
+    if policy == "whole":
+        return 0
+    if policy == "layer":
+        return 1
+    if isinstance(policy, str) and policy.startswith("group:"):
+        g = policy[len("group:"):]
+        if g.isdigit() and int(g) >= 2 and g == str(int(g)):
+            return int(g)
+    raise ValueError(f"unknown rebuild policy {policy!r}; known: {REBUILD_POLICIES} and 'group:<g>' (g >= 2)")
 
 
 def _buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
@@ -307,11 +333,15 @@ def _buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
     ``policy`` "whole": a whole chunk rebuilt at once ("recompute" keeps only the chunk's inputs, its backward
     rebuilds all it did not keep), on every rank where that leaves activation memory (``budgets``: the limit less
     the static state, bytes); "layer" (and "whole" where a whole rebuild does not fit): the largest
-    one-layer-at-a-time rebuild (per-layer recompute of every layer, :func:`dipc.planner.workload.rebuild_need`),
-    and only strategies rebuilding at most that are offered (``options``: forward ->
-    :func:`dipc.planner.workload.memory_options`; without them, the "whole" allowance)."""
-    if policy not in REBUILD_POLICIES:
-        raise ValueError(f"unknown rebuild policy {policy!r}; known: {REBUILD_POLICIES}")
+    one-layer-at-a-time rebuild (per-layer recompute of every layer, :func:`dipc.planner.workload.rebuild_need`);
+    "group:<g>": the largest rebuild of all layers in checkpoints of g
+    (:func:`dipc.planner.workload.group_rebuild_need`, Megatron's uniform method); only strategies rebuilding at
+    most the allowance are offered (``options``: forward -> :func:`dipc.planner.workload.memory_options`; without
+    them, the "whole" allowance).
+
+    Raises:
+        ValueError: ``policy`` is not "whole", "layer" or "group:<g>" with g >= 2."""
+    g = _group_size(policy)
     T = w.tp_size
     recv: dict[str, float] = defaultdict(float)
     send: dict[str, float] = defaultdict(float)
@@ -334,21 +364,36 @@ def _buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
             one_layer = max((rebuild_need(options[k]) for k in fwd if k in options), default=0.0)
             again = max(again, one_layer)
             budget = None if budgets is None else budgets[r]
-            if policy == "layer" or (budget is not None and base + max(again, forced) >= budget):
+            if g >= 2:
+                again = max((group_rebuild_need(options[k], g) for k in fwd if k in options), default=0.0)
+            elif g == 1 or (budget is not None and base + max(again, forced) >= budget):
                 again = one_layer
         allowance.append(again)
         out.append(base + max(again, forced, 0.0))
     return out, allowance
 
 
-def _rebuild_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[str]:
-    """The rebuild policies of :func:`_buffer_reserve` worth planning: "whole", and "layer" where it frees more
-    than 5% of some rank's activation budget."""
-    whole, _ = _buffer_reserve(w, P, options, budgets, "whole")
-    layer, _ = _buffer_reserve(w, P, options, budgets, "layer")
-    if any(b is not None and whole[r] - layer[r] > 0.05 * b for r, b in enumerate(budgets)):
-        return ["whole", "layer"]
-    return ["whole"]
+def _rebuild_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[tuple[str, tuple]]:
+    """The rebuild policies of :func:`_buffer_reserve` worth planning, each with its reserve and allowance:
+    "whole", and "layer" where it frees more than 5% of some rank's activation budget."""
+    whole = _buffer_reserve(w, P, options, budgets, "whole")
+    layer = _buffer_reserve(w, P, options, budgets, "layer")
+    if any(b is not None and whole[0][r] - layer[0][r] > 0.05 * b for r, b in enumerate(budgets)):
+        return [("whole", whole), ("layer", layer)]
+    return [("whole", whole)]
+
+
+def _group_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[tuple[str, tuple]]:
+    """The rebuild policies "group:<g>" (g = 2, 4, 8, ... below the most layers a chunk has), each with its
+    reserve and allowance (:func:`_buffer_reserve`): tried, in this order, when neither "whole" nor "layer"
+    fits - checkpoints of g layers keep a g-th of the per-layer inputs for a g times larger rebuild."""
+    most = max((int(o[0].split(":")[1]) for opts in options.values() for o in opts
+                if o[0].startswith("recompute:") and "/" not in o[0]), default=0)
+    out, g = [], 2
+    while g < most:
+        out.append((f"group:{g}", _buffer_reserve(w, P, options, budgets, f"group:{g}")))
+        g *= 2
+    return out
 
 
 def _take(graph: StageGraph, g: StageGraph) -> None:

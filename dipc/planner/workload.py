@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from ..batch import Microbatch
-from ..plan import PlanError, TensorSpec, stage_key
+from ..plan import PlanError, TensorSpec, recompute_layout, stage_key
 from ..schedule import Edge, Stage, StageGraph
 
 
@@ -274,8 +274,11 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     1 .. layers (each of the chunk's first k layers is its own activation checkpoint: it keeps its inputs instead of
     its saved bytes, its forward seconds join the backward, and the backward rebuilds one layer at a time, the
     largest of them at its peak), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
-    chunk's inputs, and the backward rebuilds all k at once) and "recompute" (the whole chunk as one region: its inputs only are kept, and the
-    backward rebuilds all of it at once).  Per-layer seconds and bytes come from the compiled per-layer costs on
+    chunk's inputs, and the backward rebuilds all k at once), "recompute:n/g" for 2 <= g < n layers (all of them in
+    checkpoints of g consecutive layers, Megatron's ``--recompute-method uniform --recompute-num-layers g``: it keeps
+    each checkpoint's input, and the backward rebuilds one checkpoint at a time, the largest at its peak) and
+    "recompute" (the whole chunk as one region: its inputs only are kept, and the backward rebuilds all of it at
+    once).  Per-layer seconds and bytes come from the compiled per-layer costs on
     the device profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split
     evenly over its layers, each reading as much as the chunk's inputs.  The forward must still be at "keep"."""
     st = w.graph.stages[fk]
@@ -304,6 +307,11 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
             out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f,
                         min(done_a, keep)))
+    n = len(blocks)
+    for g in range(2, n):  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
+        groups = [blocks[s:s + g] for s in range(0, n, g)]
+        out.append((f"recompute:{n}/{g}", min(keep, sum(grp[0][2] for grp in groups)), f_lat,
+                    min(max(sum(b[1] for b in grp) for grp in groups), keep)))
     if inputs < keep:
         out.append(("recompute", inputs, f_lat, keep - inputs))
     return out
@@ -317,6 +325,39 @@ def rebuild_need(options) -> float:
     if per_block:
         return per_block[-1][3]
     return max((o[3] for o in options if o[0] == "recompute"), default=0.0)
+
+
+def check_strategies(w: StepWorkload, plan) -> None:
+    """Check that every compute action's memory strategy can run on its chunk as this step captured it: a
+    "recompute:k" or "recompute:k/g" recomputes at most the chunk's layers (:attr:`ChunkModule.n_layers`).  Run
+    before a step (on rank 0 for a plan given or received), so that a bad strategy fails before any gradient
+    accumulates.
+
+    Raises:
+        PlanError: a strategy is unknown, or asks for more layers than its chunk has (names the stage)."""
+    for r, a in plan.compute_actions():
+        layout = recompute_layout(a.strategy)
+        if layout is None or layout[0] == 0:
+            continue
+        prog = w.programs.get("F" + a.stage[1:])
+        if prog is None:
+            continue
+        n = max(prog.chunks[a.chunk].n_layers, 1)
+        if layout[0] > n:
+            raise PlanError(f"{a.kind} of stage {a.stage} on rank {r} has memory strategy {a.strategy!r}, but chunk "
+                            f"{a.chunk} runs {n} layer(s) in this step's capture: recompute at most {n}")
+
+
+def group_rebuild_need(options, g: int) -> float:
+    """Bytes a pair's backward must be able to rebuild when all its ``n`` layers recompute in checkpoints of
+    ``min(g, n)`` layers ("recompute:n/g" of :func:`memory_options`; g = 1 is :func:`rebuild_need`); a pair
+    without per-layer options falls back to :func:`rebuild_need`."""
+    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0]]
+    if g <= 1 or not per_block:
+        return rebuild_need(options)
+    n = int(per_block[-1][0].split(":")[1])
+    name = f"recompute:{n}/{min(g, n)}"
+    return next((o[3] for o in options if o[0] == name), per_block[-1][3])
 
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:

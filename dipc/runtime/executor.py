@@ -16,7 +16,7 @@ from ..schedule import Stage
 
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport
-from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, set_recompute, split_for
+from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, check_strategies, set_recompute, split_for
 from ..planner.planning import make_plan
 
 
@@ -471,6 +471,7 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
                             f"miss {missing} and have {extra} this step does not")
     plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule, **planning)
     order = validate(plan)
+    check_strategies(w, plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]
     for r, i in order:

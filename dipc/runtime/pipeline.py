@@ -18,7 +18,7 @@ from ..check import is_meta
 from ..plan import Plan, PlanError, validate
 
 from .transport import _DistTransport, TransportError
-from ..planner.workload import StepWorkload, autocast_state, build_workload, set_recompute, step_digest, split_for
+from ..planner.workload import StepWorkload, autocast_state, build_workload, check_strategies, set_recompute, step_digest, split_for
 from ..planner.planning import check_memory_limit, make_plan
 from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
 
@@ -658,6 +658,7 @@ class PipelineRuntime:
                                         f"stages miss {missing} and have {extra} this step does not")
                     if getattr(given, "_validated", None) != given.digest():  # validated, and not changed since
                         validate(given)
+                    check_strategies(w, given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
                 elif self._planner is not None and self._planner.submitted == self.step_index and not forward_only:
