@@ -274,7 +274,7 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     1 .. layers (each of the chunk's first k layers is its own activation checkpoint: it keeps its inputs instead of
     its saved bytes, its forward seconds join the backward, and the backward rebuilds one layer at a time, the
     largest of them at its peak), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
-    chunk's inputs, and the backward rebuilds all k at once), "recompute:n/g" for 2 <= g < n layers (all of them in
+    chunk's inputs, and the backward rebuilds all k at once), "recompute:n/g" for g = 2, 4, 8, ... < n layers (all of them in
     checkpoints of g consecutive layers, Megatron's ``--recompute-method uniform --recompute-num-layers g``: it keeps
     each checkpoint's input, and the backward rebuilds one checkpoint at a time, the largest at its peak) and
     "recompute" (the whole chunk as one region: its inputs only are kept, and the backward rebuilds all of it at
@@ -308,10 +308,12 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
             out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f,
                         min(done_a, keep)))
     n = len(blocks)
-    for g in range(2, n):  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
+    g = 2
+    while g < n:  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
         groups = [blocks[s:s + g] for s in range(0, n, g)]
         out.append((f"recompute:{n}/{g}", min(keep, sum(grp[0][2] for grp in groups)), f_lat,
                     min(max(sum(b[1] for b in grp) for grp in groups), keep)))
+        g *= 2
     if inputs < keep:
         out.append(("recompute", inputs, f_lat, keep - inputs))
     return out
