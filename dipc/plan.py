@@ -78,7 +78,7 @@ def recompute_layout(strategy: str) -> tuple[int, int] | None:
     if isinstance(strategy, str) and strategy.startswith("recompute:"):
         k, sep, g = strategy[len("recompute:"):].partition("/")
         g = g if sep else "1"
-        if all(x.isdigit() and x == str(int(x)) for x in (k, g)) and 1 <= int(g) <= int(k):
+        if all(x.isascii() and x.isdigit() and x == str(int(x)) for x in (k, g)) and 1 <= int(g) <= int(k):
             return int(k), int(g)
     raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'recompute:<k>' (k >= 1 "
                     "layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of g <= k layers)")
@@ -356,7 +356,7 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
             fr, fi = where[stage_key("F", a.chunk, a.mb, a.sub)]
             if fi >= i:
                 raise PlanError(f"on rank {r}, {a} runs before its forward")
-            if plan.ranks[fr][fi].strategy != a.strategy:
+            if recompute_layout(plan.ranks[fr][fi].strategy) != recompute_layout(a.strategy):  # "k" is "k/1"
                 raise PlanError(f"{plan.ranks[fr][fi]} has memory strategy {plan.ranks[fr][fi].strategy!r} but its "
                                 f"backward {a} has {a.strategy!r}")
     order = dry_run(plan)

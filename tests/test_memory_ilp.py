@@ -124,7 +124,7 @@ def test_recomputed_blocks_parses_strategies():
     assert recompute_layout("recompute:3") == (3, 1) and recompute_layout("recompute:4/2") == (4, 2)
     assert recompute_layout("keep") == (0, 1) and recompute_layout("recompute") is None
     for bad in ("recompute:0", "recompute:-1", "recompute:x", "recompute:01", "lazy", "recompute:2/3",
-                "recompute:2/0", "recompute:2/", "recompute:3/01"):
+                "recompute:2/0", "recompute:2/", "recompute:3/01", "recompute:\u00b2", "recompute:1/\u00b2"):
         with pytest.raises(PlanError, match="unknown memory strategy"):
             recomputed_blocks(bad)
 
