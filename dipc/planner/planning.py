@@ -9,7 +9,7 @@ import math
 from collections import defaultdict
 from typing import Sequence
 
-from ..plan import Plan, PlanError, validate
+from ..plan import Plan, PlanError, recompute_layout, validate
 from .memory import optimize_memory
 from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
 
@@ -315,7 +315,7 @@ def _group_size(policy: str) -> int:
         return 1
     if isinstance(policy, str) and policy.startswith("group:"):
         g = policy[len("group:"):]
-        if g.isdigit() and int(g) >= 2 and g == str(int(g)):
+        if g.isascii() and g.isdigit() and g == str(int(g)) and int(g) >= 2:
             return int(g)
     raise ValueError(f"unknown rebuild policy {policy!r}; known: {REBUILD_POLICIES} and 'group:<g>' (g >= 2)")
 
@@ -387,8 +387,8 @@ def _group_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[tup
     """The rebuild policies "group:<g>" (g = 2, 4, 8, ... below the most layers a chunk has), each with its
     reserve and allowance (:func:`_buffer_reserve`): tried, in this order, when neither "whole" nor "layer"
     fits - checkpoints of g layers keep a g-th of the per-layer inputs for a g times larger rebuild."""
-    most = max((int(o[0].split(":")[1]) for opts in options.values() for o in opts
-                if o[0].startswith("recompute:") and "/" not in o[0]), default=0)
+    most = max((recompute_layout(o[0])[0] for opts in options.values() for o in opts if o[0] != "recompute"),
+               default=0)
     out, g = [], 2
     while g < most:
         out.append((f"group:{g}", _buffer_reserve(w, P, options, budgets, f"group:{g}")))

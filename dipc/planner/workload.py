@@ -332,8 +332,8 @@ def rebuild_need(options) -> float:
 def check_strategies(w: StepWorkload, plan) -> None:
     """Check that every compute action's memory strategy can run on its chunk as this step captured it: a
     "recompute:k" or "recompute:k/g" recomputes at most the chunk's layers (:attr:`ChunkModule.n_layers`).  Run
-    before a step (on rank 0 for a plan given or received), so that a bad strategy fails before any gradient
-    accumulates.
+    before a step (in run_local; on rank 0 for a plan given to pipe.step), so that a bad strategy fails before
+    any gradient accumulates.
 
     Raises:
         PlanError: a strategy is unknown, or asks for more layers than its chunk has (names the stage)."""
@@ -354,12 +354,12 @@ def group_rebuild_need(options, g: int) -> float:
     """Bytes a pair's backward must be able to rebuild when all its ``n`` layers recompute in checkpoints of
     ``min(g, n)`` layers ("recompute:n/g" of :func:`memory_options`; g = 1 is :func:`rebuild_need`); a pair
     without per-layer options falls back to :func:`rebuild_need`."""
-    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0]]
-    if g <= 1 or not per_block:
+    n = max((recompute_layout(o[0])[0] for o in options if o[0] != "recompute"), default=0)
+    if g <= 1 or n == 0:
         return rebuild_need(options)
-    n = int(per_block[-1][0].split(":")[1])
-    name = f"recompute:{n}/{min(g, n)}"
-    return next((o[3] for o in options if o[0] == name), per_block[-1][3])
+    layout = (n, min(g, n))
+    return next((o[3] for o in options if o[0] != "recompute" and recompute_layout(o[0]) == layout),
+                rebuild_need(options))
 
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:
