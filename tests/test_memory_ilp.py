@@ -350,3 +350,48 @@ def test_uniform_checkpoint_groups_are_offered_run_with_the_unsplit_gradients_an
         with pytest.raises(PlanError, match=r"chunk 1 runs \d+ layer\(s\) in this step's capture: recompute at most"):
             run_local(c, b, n, too_many, schedule="1f1b")
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_when_only_checkpoint_groups_fit_the_planner_finds_them_and_the_plan_equals_the_unsplit_model(monkeypatch):
+    """The group reserve end to end: GPipe keeps all 8 microbatches live, each 17-layer chunk's per-layer rebuild
+    is ~50x a layer's input, so one-layer checkpoints keep too many inputs and a whole-chunk rebuild is too large;
+    at the least memory limit the planner can meet (found by bisection) its plan recomputes in checkpoints of
+    several layers ("recompute:n/g", 2 <= g < n) and stays under the limit in the simulator, while with the group
+    policies taken away the same limit has no plan (a bug sized their reserves on a graph the failed policies had
+    already switched to recompute: nothing was left to recompute, and no group plan was ever found).  Run, the plan
+    gives the unsplit model's loss and gradients (text-only microbatches first)."""
+    from dipc.planner import planning
+    from dipc.runtime import run_local
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 2, 16)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, balance="params",
+                     chunks_per_rank={"model": 1}, device="h800")
+    n = 8
+    b = pc.vlm_batch([0, 0, 1, 0, 1, 0, 1, 0], 256, 8)
+    res, _ = dipc.simulate(c, b, n, schedule="gpipe")
+    lo, hi = max(c.rank_state_bytes()), max(res.peak_memory)  # no plan at the static bytes; the free plan fits
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        try:
+            dipc.simulate(c, b, n, schedule="gpipe", memory_limit=mid)
+            hi = mid
+        except PlanError:
+            lo = mid
+    res, plan = dipc.simulate(c, b, n, schedule="gpipe", memory_limit=hi)
+    assert max(res.peak_memory) <= hi * (1 + 1e-9)
+    layouts = {a.strategy: recompute_layout(a.strategy) for _, a in plan.compute_actions()}
+    assert any(lay is not None and 2 <= lay[1] < lay[0] for lay in layouts.values()), sorted(layouts)
+    with monkeypatch.context() as m:
+        m.setattr(planning, "_group_policies", lambda *a, **k: [])
+        with pytest.raises(PlanError):
+            dipc.simulate(c, b, n, schedule="gpipe", memory_limit=hi)
+    model.zero_grad(set_to_none=True)
+    ref = model(**b)
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss, _ = run_local(c, b, n, plan, schedule="gpipe")
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")

@@ -198,7 +198,9 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         while True:
             if tried == len(policies) and best is None and not grouped:
                 # neither a whole nor a one-layer rebuild fits: checkpoints of several layers (Megatron's uniform
-                # recompute) trade kept inputs for a larger rebuild
+                # recompute) trade kept inputs for a larger rebuild; their reserves are sized on the stages as
+                # they came (the failed policies' plans switched some to recompute, which hid them from the sizing)
+                _take(graph, pristine)
                 policies += _group_policies(workload, P, options, budgets)
                 grouped = True
             if tried == len(policies) or (grouped and best is not None):
