@@ -247,6 +247,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
     # a rank's earliest admissible start changes only when its queue, live bytes, reserves or window change: it is
     # recomputed for those ranks only ("dirty"), which keeps a step linear in the ranks touched, not in P
     earliest: list[float | None] = [None] * n_ranks
+    adm_of: list[dict] = [{"F": [], "B": []} for _ in range(n_ranks)]  # each rank's admissible queued stages
     dirty = set(range(n_ranks))
     while done < len(graph.stages):
         best = None
@@ -258,8 +259,8 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
                 oldest = min(queues[r]["F"], key=lambda e: (e[1], e))
                 if not admissible(r, oldest):
                     again = recompute_to_fit(r)  # it changed a stage: look at this rank again next time
-            cands = [t_start[e[-1]] for kd in ("F", "B") for e in queues[r][kd] if admissible(r, e)]
-            earliest[r] = min(cands) if cands else None
+            adm = adm_of[r] = {kd: [e for e in queues[r][kd] if admissible(r, e)] for kd in ("F", "B")}
+            earliest[r] = min((t_start[e[-1]] for kd in ("F", "B") for e in adm[kd]), default=None)
             if not again:
                 dirty.discard(r)
         for r in range(n_ranks):
@@ -275,7 +276,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             dirty = set(range(n_ranks))
             continue
         _, r = best
-        ok = {kd: [e for e in queues[r][kd] if admissible(r, e)] for kd in ("F", "B")}
+        ok = adm_of[r]  # what rank r may run: unchanged since it was last looked at (else it would be dirty)
         ready = {kd: [e for e in ok[kd] if t_start[e[-1]] <= t_last[r]] for kd in ("F", "B")}
         if ready["F"] and ready["B"]:
             kd = "B" if last_kind[r] == "F" else "F"
