@@ -4,7 +4,7 @@ interleaver (PAPER.md §2.4), the memory ILP (§2.5) and MCTS (§2.3), lowered t
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 from collections import defaultdict
 from typing import Sequence
@@ -107,7 +107,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     chunk_ranks = [c.rank for c in compiled.partition.chunks]
     dev = compiled.device
     T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
-    comm = (lambda e: dev.p2p_time(sum(t.nbytes for t in e.tensors) / T)) if dev is not None else None
+    comm = _comm_seconds(dev, T) if dev is not None else None
     limits = activation_budget(compiled, memory_limit, optimizer_states, static_bytes)
     static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
     graph = workload.graph
@@ -122,12 +122,21 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     allowed: dict[str, tuple] = {}
     inputs: dict[str, float] = {}
 
+    least: dict[str, tuple | None] = {}  # forward -> its least-memory allowed option (cleared with ``allowed``)
+
     def recompute_cost(st):
         """The least-memory recompute the forward's rank allows (ties: the least backward seconds)."""
-        opts = [o for o in allowed.get(st.key, ()) if o[0] != "keep"]
-        if opts:
-            how, kept, extra, rebuild = min(opts, key=lambda o: (o[1], o[2]))
-            return kept, extra, how, rebuild
+        v = least.get(st.key, False)
+        if v is False:
+            opts = [o for o in allowed.get(st.key, ()) if o[0] != "keep"]
+            if opts:
+                how, kept, extra, rebuild = min(opts, key=lambda o: (o[1], o[2]))
+                v = (kept, extra, how, rebuild)
+            else:
+                v = None
+            least[st.key] = v
+        if v is not None:
+            return v
         if st.key not in inputs:
             inputs[st.key] = _input_bytes(workload, st.key)
         return inputs[st.key], st.latency
@@ -208,6 +217,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             policy, (reserve, rebuild) = policies[tried]
             tried += 1
             allowed.clear()
+            least.clear()
             for k, opts in options.items():  # what rebuilds more than its rank keeps free for it is not an option
                 r = graph.stages[k].rank
                 allowed[k] = tuple(o for o in opts if o[0] == "keep" or o[3] <= rebuild[r] * (1 + 1e-9))
@@ -240,6 +250,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         for k, st in g.stages.items():
             graph.stages[k].options = st.options
         allowed.clear()
+        least.clear()
         allowed.update(kept_allowed)
         hint.clear()
         hint.update(kept_hint)
@@ -290,8 +301,22 @@ def _encoder_first_order(graph: StageGraph, P: int, comm, extra: list[Edge]) -> 
     return list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P, comm_time=comm).order
 
 
+def _comm_seconds(dev, T: int):
+    """Edge -> seconds its tensors take between ranks on ``dev`` (each of a stage's ``T`` GPUs sends its shard over
+    its own link), remembered per edge: the planner's list schedules ask for every edge again (12 ms a rollout at
+    VLM-S / 64 microbatches)."""
+    memo: dict[int, tuple] = {}
+
+    def comm(e):
+        hit = memo.get(id(e))
+        if hit is None or hit[0] is not e:
+            hit = memo[id(e)] = (e, dev.p2p_time(sum(t.nbytes for t in e.tensors) / T))
+        return hit[1]
+    return comm
+
+
 def _copy_stages(graph: StageGraph) -> StageGraph:
-    return StageGraph(stages={k: dataclasses.replace(st) for k, st in graph.stages.items()}, edges=graph.edges)
+    return StageGraph(stages={k: copy.copy(st) for k, st in graph.stages.items()}, edges=graph.edges)
 
 
 #: plans :func:`make_plan` makes under a limit until the simulated one (transients and buffers timed) fits

@@ -13,7 +13,7 @@ The search starts from the interleaver's own priorities (oldest microbatch first
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import math
 
 from ..plan import PlanError
@@ -34,8 +34,11 @@ def groups_of(graph: StageGraph) -> list[tuple[int, str]]:
 
 
 def _copy(graph: StageGraph, priority: dict) -> StageGraph:
-    return StageGraph(stages={k: dataclasses.replace(st, priority=priority[(st.mb, st.modality)])
-                              for k, st in graph.stages.items()}, edges=graph.edges)
+    stages = {}
+    for k, st in graph.stages.items():  # copy.copy: a third of dataclasses.replace's time (no __init__ call)
+        stages[k] = c = copy.copy(st)
+        c.priority = priority[(st.mb, st.modality)]
+    return StageGraph(stages=stages, edges=graph.edges)
 
 
 def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, budget_s: float, seed: int = 0, *,
