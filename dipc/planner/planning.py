@@ -10,8 +10,8 @@ from collections import defaultdict
 from typing import Sequence
 
 from ..plan import Plan, PlanError, recompute_layout, validate
-from .memory import optimize_memory
-from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, relax_recompute, timed_schedule
+from .memory import fit_order, optimize_memory
+from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, timed_schedule
 
 from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
@@ -475,10 +475,7 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
         else:
             order = list_schedule(g, P, comm_time=comm, window=o["window"]).order
         try:  # a candidate that cannot fit, or a seed that deadlocks on these stages, is skipped
-            fit_by_recompute(g, order, limits, recompute_cost)  # the greedy fit: kept where the ILP finds nothing
-            relax_recompute(g, order, limits)
-            if ilp:
-                optimize_memory(g, order, limits)
+            fit_order(g, order, limits, recompute_cost, graph, ilp=ilp)  # the ILP; the greedy where it has none
             cands.append((timed_schedule(g, order, comm_time=comm), g))
             if "window" in o:
                 by_window.append((cands[-1][0].iteration_time, o["window"]))

@@ -17,9 +17,9 @@ import copy
 import math
 
 from ..plan import PlanError
-from ..schedule import StageGraph, fit_by_recompute, list_schedule, relax_recompute, timed_schedule
+from ..schedule import StageGraph, list_schedule, timed_schedule
 from .mcts import SearchResult, mcts
-from .memory import optimize_memory
+from .memory import fit_order, optimize_memory
 
 __all__ = ["search_priorities", "groups_of"]
 
@@ -78,10 +78,7 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
                 sched = list_schedule(g, P, comm_time=comm)
             elif window is not None:
                 order = list_schedule(g, P, comm_time=comm, window=window).order
-                fit_by_recompute(g, order, limits, recompute_cost)
-                relax_recompute(g, order, limits)
-                if ilp:
-                    optimize_memory(g, order, limits)
+                fit_order(g, order, limits, recompute_cost, graph, ilp=ilp)
                 sched = timed_schedule(g, order, comm_time=comm)
             else:
                 sched = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
