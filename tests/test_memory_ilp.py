@@ -99,6 +99,52 @@ def test_ilp_matches_brute_force_and_respects_the_limit(seed, frac):
             assert b.strategy == st.strategy and b.latency == pytest.approx(2.0 + st.recompute_extra)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=hs.integers(0, 10_000))
+def test_lp_relaxation_over_each_pairs_lower_hull_has_the_full_relaxations_optimum(seed):
+    """The LP the ILP rounds from runs over the candidates on each pair's lower convex hull of (bytes, seconds):
+    a point above the hull, or one with more bytes and no fewer seconds than another, is never needed, so the
+    relaxation's optimum (the ILP's lower bound) is the same as over every candidate (random multiple-choice
+    instances, overlapping live ranges, a limit between the least and the most memory)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_matrix
+
+    from dipc.planner.memory import _lower_hull
+
+    rnd = random.Random(seed)
+    n_pairs, n_rows = rnd.randint(1, 8), rnd.randint(1, 6)
+    cost, mem, groups, rows = [], [], [], np.zeros((n_rows, 0))
+    for _ in range(n_pairs):
+        k = rnd.randint(1, 6)
+        pts = [(rnd.uniform(0, 100), rnd.uniform(0, 10)) for _ in range(k)]
+        groups.append(list(range(len(cost), len(cost) + k)))
+        cost += [p[1] for p in pts]
+        mem += [p[0] for p in pts]
+        live = np.zeros((n_rows, 1))
+        lo = rnd.randrange(n_rows)
+        live[lo:rnd.randint(lo + 1, n_rows)] = 1
+        rows = np.hstack([rows, live * np.asarray([p[0] for p in pts])[None, :]])
+    c = np.asarray(cost)
+    least = sum(min(mem[v] for v in g) for g in groups)
+    most = sum(max(mem[v] for v in g) for g in groups)
+    M = least + rnd.random() * (most - least)
+    choice = np.zeros((n_pairs, len(c)))
+    for i, g in enumerate(groups):
+        choice[i, g] = 1
+    cons = [LinearConstraint(csr_matrix(choice), 1, 1), LinearConstraint(csr_matrix(rows), -np.inf, M)]
+    full = milp(c, constraints=cons, integrality=np.zeros(len(c)), bounds=Bounds(0, 1))
+    hull = np.asarray(sorted(g[j] for g in groups for j in _lower_hull(tuple((mem[v], cost[v]) for v in g))))
+    for g in groups:  # every group keeps its least-memory and its fastest candidate
+        on = set(hull.tolist())
+        assert min(g, key=lambda v: (mem[v], cost[v])) in on and min(g, key=lambda v: (cost[v], mem[v])) in on
+    sub = milp(c[hull], constraints=[LinearConstraint(k.A[:, hull], k.lb, k.ub) for k in cons],
+               integrality=np.zeros(len(hull)), bounds=Bounds(0, 1))
+    assert (full.x is None) == (sub.x is None)
+    if full.x is not None:
+        assert sub.fun == pytest.approx(full.fun, rel=1e-7, abs=1e-9)
+
+
 def test_ilp_refuses_an_order_that_cannot_fit_and_names_the_rank():
     g, order = _instance(3)
     with pytest.raises(PlanError, match=r"rank 0 keeps [\d.e+]+ bytes of activations at F:0:\d:-1 with every pair "
