@@ -302,7 +302,7 @@ def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradie
     model's loss and gradients, in two batch orders (text-only microbatches first).  The planner's reserve for a
     one-layer-at-a-time rebuild is smaller than for a whole chunk's."""
     from dipc.planner.planning import _buffer_reserve
-    from dipc.runtime import build_workload, memory_options, run_local, split_for
+    from dipc.runtime import build_workload, memory_options, split_for
 
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)
@@ -329,15 +329,7 @@ def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradie
         assert max(res.peak_memory) <= limit * (1 + 1e-9)
         used = {a.strategy for _, a in plan.compute_actions()}
         assert any(s.startswith("recompute:") for s in used), used
-        model.zero_grad(set_to_none=True)
-        ref = model(**b)
-        ref.backward()
-        want = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        loss, _ = run_local(c, b, n, plan, schedule="1f1b")
-        torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        _assert_plan_equals_unsplit(model, c, b, n, plan, "1f1b")
 
 
 def test_uniform_checkpoint_groups_are_offered_run_with_the_unsplit_gradients_and_bad_layer_counts_fail_early():
@@ -407,7 +399,6 @@ def test_when_only_checkpoint_groups_fit_the_planner_finds_them_and_the_plan_equ
     already switched to recompute: nothing was left to recompute, and no group plan was ever found).  Run, the plan
     gives the unsplit model's loss and gradients (text-only microbatches first)."""
     from dipc.planner import planning
-    from dipc.runtime import run_local
 
     torch.manual_seed(0)
     model = pc.vlm(False, 2, 16)
@@ -432,12 +423,19 @@ def test_when_only_checkpoint_groups_fit_the_planner_finds_them_and_the_plan_equ
         m.setattr(planning, "_group_policies", lambda *a, **k: [])
         with pytest.raises(PlanError):
             dipc.simulate(c, b, n, schedule="gpipe", memory_limit=hi)
+    _assert_plan_equals_unsplit(model, c, b, n, plan, "gpipe")
+
+
+def _assert_plan_equals_unsplit(model, c, b, n, plan, schedule):
+    """``plan`` run in one process (:func:`dipc.runtime.run_local`) gives the unsplit model's loss and gradients."""
+    from dipc.runtime import run_local
+
     model.zero_grad(set_to_none=True)
     ref = model(**b)
     ref.backward()
     want = {k: p.grad.clone() for k, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    loss, _ = run_local(c, b, n, plan, schedule="gpipe")
+    loss, _ = run_local(c, b, n, plan, schedule=schedule)
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
