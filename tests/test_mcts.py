@@ -115,6 +115,9 @@ def test_searched_plans_run_with_the_unsplit_gradients():
             s = plan.simulated["search"]
             assert s["rollouts"] >= 1 and s["best_over_time"]
             improved.append(s["improved"])
+            if limit is not None:  # the rest of the budget filled the busiest rank's gaps: never slower
+                fill = s["gap_fill"]
+                assert plan.simulated["iteration_time"] <= fill["before_s"] * (1 + 1e-9), fill
             dipc.validate(plan)
             torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
             for n, p in model.named_parameters():
@@ -125,3 +128,49 @@ def test_searched_plans_run_with_the_unsplit_gradients():
             dipc.simulate(c, b, 6, budget_s=bad)
     with pytest.raises(ValueError, match="memory_opt must be 'ilp' or 'greedy'"):
         dipc.simulate(c, b, 6, memory_opt="lp")
+
+
+def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_the_unsplit_gradients():
+    """The local search after MCTS (``_fill_gaps``, no deadline here so it runs to its end): on the interleaver's
+    plan of a memory-limited step it moves forwards into the busiest rank's idle gaps; the iteration gets shorter,
+    every rank's order stays under its activation budget with the strategies the ILP chose again, and the lowered
+    plan validates and runs with the unsplit model's loss and gradients (text-only microbatches first)."""
+    import math
+
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.plan import stage_key
+    from dipc.planner.planning import _fill_gaps, activation_budget
+    from dipc.runtime import build_workload, make_plan, run_local, split_for
+    from dipc.schedule import lower, order_peaks, timed_schedule
+
+    torch.manual_seed(0)
+    model = pc.vlm(False, 4, 4)
+    c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 1})
+    b = pc.vlm_batch([0, 0, 3, 1, 2, 3], 16, 3)
+    peak = dipc.simulate(c, b, 6)[0].peak_memory[0] - c.rank_state_bytes()[0]
+    limit = max(c.rank_state_bytes()) + peak / 3
+    w = build_workload(c, split_for(c, b, 6))
+    plan = make_plan(c, w, 0, memory_limit=limit)
+    order = [[stage_key(a.kind, a.chunk, a.mb, a.sub) for a in acts if a.kind in ("F", "B")] for acts in plan.ranks]
+    sched = timed_schedule(w.graph, order)
+    limits = activation_budget(c, limit)
+    filled, g, moves = _fill_gaps(w.graph, sched, 2, None, limits, math.inf)
+    assert moves >= 1 and filled.iteration_time < sched.iteration_time * (1 - 1e-6), (moves, sched.iteration_time)
+    for r, (p, _) in enumerate(order_peaks(g, filled.order)):
+        assert p <= limits[r] * (1 + 1e-9), (r, p, limits[r])
+    w.graph.stages.update(g.stages)
+    ranks = [ch.rank for ch in c.partition.chunks]
+    new = lower(w.graph, filled, ranks, microbatches=[mb.meta() for mb in w.microbatches])
+    dipc.validate(new)
+    model.zero_grad(set_to_none=True)
+    ref = model(**b)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss, _ = run_local(c, b, 6, new)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")

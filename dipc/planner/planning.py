@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections import defaultdict
 from typing import Sequence
 
 from ..plan import Plan, PlanError, recompute_layout, validate
 from .memory import fit_order, optimize_memory
-from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, timed_schedule
+from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, order_peaks, timed_schedule
 
 from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
@@ -84,8 +85,10 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     chunks recompute at each peak, then go back to keep where memory is left: the previous planner, for the
     ablation).  ``budget_s`` > 0 (DIP only): then MCTS reorders the (microbatch, modality) groups' priorities for
     up to that many seconds (:func:`dipc.planner.search.search_priorities`, DIP §2.3, deterministic under ``seed``
-    when the budget does not cut it), and the plan is the better of the search's and the interleaver's; its
-    progress is in ``plan.simulated["search"]``.  ``search_workers``: processes scoring its rollouts in parallel
+    when the budget does not cut it), and the plan is the better of the search's and the interleaver's; under a
+    memory limit the search has :data:`SEARCH_SHARE` of the budget and the rest fills the busiest rank's idle gaps
+    with later forwards (:func:`_fill_gaps`, dipc's own local search); the progress of both is in
+    ``plan.simulated["search"]`` (``"gap_fill"``: moves, seconds, the time before).  ``search_workers``: processes scoring its rollouts in parallel
     (DIP §2.3's parallel workers; at most half the host's cores, :func:`dipc.planner.mcts.max_workers`).
 
     Raises:
@@ -259,9 +262,10 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     if t.kind == "interleave" and budget_s > 0:  # DIP §2.3: MCTS over the groups' priorities, once, verified
         from .search import search_priorities
 
+        t_search = time.perf_counter()
         found, search = search_priorities(pristine or _copy_stages(graph), P, comm, limits if limited else None,
-                                          recompute_cost, budget_s, seed, ilp=ilp, workers=search_workers,
-                                          window=hint.get("window"))
+                                          recompute_cost, budget_s * (SEARCH_SHARE if limited else 1.0), seed,
+                                          ilp=ilp, workers=search_workers, window=hint.get("window"))
         # the search's plan only when it is really faster (not a rounding difference of the same schedule) and,
         # under a limit, fits once simulated with its transients and buffers; else the interleaver's stays
         if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
@@ -272,6 +276,20 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
             else:
                 sched = found[0]
                 search.improved = True
+    gap_fill = None
+    if t.kind == "interleave" and limited and budget_s > 0:  # the rest of the budget: the busiest rank's gaps
+        t_fill = time.perf_counter()
+        filled = _fill_gaps(graph, sched, P, comm, limits, t_search + budget_s, ilp)
+        gap_fill = {"moves": 0, "seconds": 0.0, "before_s": sched.iteration_time}
+        if filled[0].iteration_time < sched.iteration_time * (1 - 1e-9):
+            kept = _copy_stages(graph)
+            _take(graph, filled[1])
+            if max(over_limit(filled[0])) > tol:  # as the search's: kept only if it fits once simulated
+                _take(graph, kept)
+            else:
+                sched = filled[0]
+                gap_fill["moves"] = filled[2]
+        gap_fill["seconds"] = time.perf_counter() - t_fill
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
@@ -279,6 +297,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
         plan.simulated["search"] = {"rollouts": search.rollouts, "iterations": search.iterations,
                                     "exhausted": search.exhausted, "seconds": search.seconds,
                                     "best_over_time": search.history, "improved": bool(search.improved)}
+        if gap_fill is not None:
+            plan.simulated["search"]["gap_fill"] = gap_fill
     plan.simulated["recomputed"] = sum(1 for s in graph.stages.values() if s.kind == "F" and s.strategy != "keep")
     plan.simulated["recomputed_partly"] = sum(1 for s in graph.stages.values()
                                               if s.kind == "F" and s.strategy.startswith("recompute:"))
@@ -301,6 +321,72 @@ def _encoder_first_order(graph: StageGraph, P: int, comm, extra: list[Edge]) -> 
     return list_schedule(StageGraph(stages=graph.stages, edges=graph.edges + extra), P, comm_time=comm).order
 
 
+def _fill_gaps(graph: StageGraph, sched, P: int, comm, limits, deadline: float, ilp: bool = True,
+               candidates: int = 2, lookahead: int = 64):
+    """Local search after MCTS (dipc's own, not in the paper): the busiest rank's idle gaps filled with forwards
+    from later in its order.  For each gap (in time order) the first ``candidates`` forwards among the next
+    ``lookahead`` stages whose inputs are there when the gap opens are tried there in turn: that rank's memory
+    strategies chosen again by its ILP (more live activations may need more recompute; the other ranks keep
+    theirs), the order re-timed, and the first that shortens the iteration kept; then again from the start, until
+    no move helps or ``time.perf_counter()`` passes ``deadline``.  The memory-feasible orders the interleaver and
+    MCTS give stall the busiest rank where its memory is full and the backward it waits for is a pipeline round
+    trip away (VLM-M / 16 microbatches: 0.84 s of rank-0 waits); a forward moved into the gap runs while it waits
+    and pays in recompute (VLM-M / 16: 7.93 -> 7.71 s; VLM-M / 32: 15.47 -> 14.89 s).
+
+    Returns ``(schedule, stage graph, moves)``: the best found (``sched`` and a copy of ``graph`` when nothing
+    helped) and how many moves it took.
+    """
+    best_s, best_g = sched, _copy_stages(graph)
+    moves = 0
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        order, start, end = best_s.order, best_s.start, best_s.end
+        preds = best_g.preds()
+        busy = [0.0] * P
+        for st in best_g.stages.values():
+            busy[st.rank] += st.latency
+        r = max(range(P), key=lambda q: busy[q])
+        only_r = [limits[q] if q == r else None for q in range(P)]
+        ks = order[r]
+        for i in range(1, len(ks)):
+            if start[ks[i]] - end[ks[i - 1]] <= 1e-9 * max(end[ks[i - 1]], 1.0):
+                continue
+            opened = end[ks[i - 1]]
+            cands = []
+            for j in range(i + 1, min(len(ks), i + 1 + lookahead)):
+                if best_g.stages[ks[j]].kind != "F":
+                    continue
+                if all(e.src in end and end[e.src] + (comm(e) if comm is not None and
+                                                      best_g.stages[e.src].rank != r else 0.0) <= opened * (1 + 1e-12)
+                       for e in preds[ks[j]]):
+                    cands.append(j)
+                    if len(cands) >= candidates:
+                        break
+            for j in cands:
+                if time.perf_counter() >= deadline:
+                    break
+                new = [list(o) for o in order]
+                new[r].insert(i, new[r].pop(j))
+                g = _copy_stages(best_g)
+                try:
+                    if ilp:
+                        if optimize_memory(g, new, only_r)["unsolved"]:
+                            continue
+                    elif order_peaks(g, new)[r][0] > limits[r]:
+                        continue
+                    ts = timed_schedule(g, new, comm_time=comm)
+                except PlanError:
+                    continue
+                if ts.iteration_time < best_s.iteration_time * (1 - 1e-9):
+                    best_s, best_g, improved = ts, g, True
+                    moves += 1
+                    break
+            if improved or time.perf_counter() >= deadline:
+                break
+    return best_s, best_g, moves
+
+
 def _comm_seconds(dev, T: int):
     """Edge -> seconds its tensors take between ranks on ``dev`` (each of a stage's ``T`` GPUs sends its shard over
     its own link), remembered per edge: the planner's list schedules ask for every edge again (12 ms a rollout at
@@ -317,6 +403,10 @@ def _comm_seconds(dev, T: int):
 
 def _copy_stages(graph: StageGraph) -> StageGraph:
     return StageGraph(stages={k: copy.copy(st) for k, st in graph.stages.items()}, edges=graph.edges)
+
+
+#: share of ``budget_s`` MCTS gets under a memory limit; the rest fills the busiest rank's gaps (:func:`_fill_gaps`)
+SEARCH_SHARE = 0.7
 
 
 #: plans :func:`make_plan` makes under a limit until the simulated one (transients and buffers timed) fits
