@@ -114,6 +114,10 @@ class SimResult:
                          f"{search['seconds']:.2f} s, {'exhausted, ' if search.get('exhausted') else ''}"
                          f"{'improved on' if search.get('improved') else 'kept'} the interleaver's plan; best over "
                          f"time: {prog}")
+            fill = search.get("gap_fill")
+            if fill:
+                lines.append(f"gap filling: {fill['moves']} forwards moved into the busiest rank's idle gaps in "
+                             f"{fill['seconds']:.2f} s ({fill['before_s']:.4g} s before)")
         return "\n".join(lines)
 
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
