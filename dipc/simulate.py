@@ -117,7 +117,8 @@ class SimResult:
             fill = search.get("gap_fill")
             if fill:
                 lines.append(f"gap filling: {fill['moves']} forwards moved into the busiest rank's idle gaps in "
-                             f"{fill['seconds']:.2f} s ({fill['before_s']:.4g} s before)")
+                             f"{fill['seconds']:.2f} s (the scheduler's estimate, without posting costs and "
+                             f"epilogue: {fill['before_s']:.6g} -> {fill.get('after_s', fill['before_s']):.6g} s)")
         return "\n".join(lines)
 
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:

@@ -88,7 +88,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     when the budget does not cut it), and the plan is the better of the search's and the interleaver's; under a
     memory limit the search has :data:`SEARCH_SHARE` of the budget and the rest fills the busiest rank's idle gaps
     with later forwards (:func:`_fill_gaps`, dipc's own local search); the progress of both is in
-    ``plan.simulated["search"]`` (``"gap_fill"``: moves, seconds, the time before).  ``search_workers``: processes scoring its rollouts in parallel
+    ``plan.simulated["search"]`` (``"gap_fill"``: moves, seconds, and the scheduler's iteration estimate before and
+    after, ``before_s`` / ``after_s``: without the simulator's posting costs and epilogue).  ``search_workers``: processes scoring its rollouts in parallel
     (DIP §2.3's parallel workers; at most half the host's cores, :func:`dipc.planner.mcts.max_workers`).
 
     Raises:
@@ -280,7 +281,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     if t.kind == "interleave" and limited and budget_s > 0:  # the rest of the budget: the busiest rank's gaps
         t_fill = time.perf_counter()
         filled = _fill_gaps(graph, sched, P, comm, limits, t_search + budget_s, ilp)
-        gap_fill = {"moves": 0, "seconds": 0.0, "before_s": sched.iteration_time}
+        gap_fill = {"moves": 0, "seconds": 0.0, "before_s": sched.iteration_time, "after_s": sched.iteration_time}
         if filled[0].iteration_time < sched.iteration_time * (1 - 1e-9):
             kept = _copy_stages(graph)
             _take(graph, filled[1])
@@ -288,7 +289,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
                 _take(graph, kept)
             else:
                 sched = filled[0]
-                gap_fill["moves"] = filled[2]
+                gap_fill["moves"], gap_fill["after_s"] = filled[2], sched.iteration_time
         gap_fill["seconds"] = time.perf_counter() - t_fill
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
