@@ -176,3 +176,32 @@ def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_t
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_rank_simulating_a_received_plan_on_its_own_workload_sees_the_plans_recompute():
+    """Ranks other than 0 receive the plan and build their own workload, whose stages are still at "keep": the
+    step report's simulation there read the plan's peak memory as if nothing recomputed (over the limit, though
+    the run was exact; break-it found it on 2 and 4 ranks).  Simulated on a fresh workload, a memory-limited plan
+    now gives the planning workload's figures."""
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.planner.background import _summary
+    from dipc.runtime import build_workload, make_plan, split_for
+
+    torch.manual_seed(0)
+    c = dipc.compile(pc.vlm(False, 4, 4), pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 1},
+                     device="h800")
+    b = pc.vlm_batch([0, 0, 0, 0, 2, 3, 1, 1], 16, 3)
+    static = c.rank_state_bytes()
+    limit = max(static) + 0.45 * (max(dipc.simulate(c, b, 8)[0].peak_memory) - max(static))
+    planned = build_workload(c, split_for(c, b, 8))
+    plan = make_plan(c, planned, 0, memory_limit=limit)
+    assert plan.simulated["recomputed"] > 0
+    fresh = build_workload(c, split_for(c, b, 8))  # what another rank builds
+    here, there = _summary(c, planned, plan, static), _summary(c, fresh, plan, static)
+    assert max(there["peak_memory"]) <= limit * (1 + 1e-9), (there["peak_memory"], limit)
+    assert there["peak_memory"] == pytest.approx(here["peak_memory"], rel=1e-9)
+    assert there["iteration_time"] == pytest.approx(here["iteration_time"], rel=1e-9)
+    assert all(st.strategy == "keep" for st in fresh.graph.stages.values())  # not changed in place

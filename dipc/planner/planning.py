@@ -388,6 +388,32 @@ def _fill_gaps(graph: StageGraph, sched, P: int, comm, limits, deadline: float, 
     return best_s, best_g, moves
 
 
+def with_plan_strategies(w: StepWorkload, plan: Plan) -> StepWorkload:
+    """``w`` with every forward-backward pair at the memory strategy ``plan`` gives its forward (bytes kept,
+    backward seconds and rebuild from :func:`dipc.planner.workload.memory_options`), for simulating a plan on a
+    workload other than the one it was made on: a rank that received its plan built its own workload, whose
+    stages are still at "keep", so its step report read the plan's peak memory as if nothing recomputed.  Returns
+    ``w`` itself when its stages already agree; else a copy (``w`` is not changed).  A pair whose stage is not at
+    "keep" here (a forced strategy) or whose strategy is not among its options is left as it is."""
+    from ..plan import stage_key
+    from .memory import apply_option
+
+    want = {stage_key("F", a.chunk, a.mb, a.sub): a.strategy for _, a in plan.compute_actions() if a.kind == "F"}
+    fix = [k for k, s in want.items() if k in w.graph.stages and w.graph.stages[k].strategy != s
+           and w.graph.stages[k].strategy == "keep"]
+    if not fix:
+        return w
+    import dataclasses
+
+    g = _copy_stages(w.graph)
+    for k in fix:
+        layout = recompute_layout(want[k])
+        opt = next((o for o in memory_options(w, k) if o[0] == want[k] or recompute_layout(o[0]) == layout), None)
+        if opt is not None:
+            apply_option(g, k, opt)
+    return dataclasses.replace(w, graph=g)
+
+
 def _comm_seconds(dev, T: int):
     """Edge -> seconds its tensors take between ranks on ``dev`` (each of a stage's ``T`` GPUs sends its shard over
     its own link), remembered per edge: the planner's list schedules ask for every edge again (12 ms a rollout at
