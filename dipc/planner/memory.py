@@ -304,9 +304,7 @@ def _solve(c, cons, groups, M, gap, time_limit, base=0.0, hull=None):
     the most memory to the least.  ``hull``: the variables the relaxation needs (each pair's lower hull,
     :func:`_lower_hull`; None: all).  Returns
     ``(x as bools or None, "lp-rounded" | "milp" | "none", lower bound)``."""
-    from scipy.optimize import Bounds, milp
-
-    from scipy.optimize import LinearConstraint
+    from scipy.optimize import Bounds, LinearConstraint, milp
 
     n = len(c)
     if hull is not None:  # the relaxation over the variables on each pair's lower hull: the same optimum
@@ -354,6 +352,14 @@ def _solve(c, cons, groups, M, gap, time_limit, base=0.0, hull=None):
     return x, "lp-rounded", bound
 
 
+def copy_strategies(graph: StageGraph, source: StageGraph) -> None:
+    """Give ``graph``'s stages ``source``'s memory strategies, bytes and latencies (not their priorities)."""
+    for k, st in source.stages.items():
+        o = graph.stages[k]
+        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
+        o.keep_bytes, o.recompute_extra, o.rebuild_bytes = st.keep_bytes, st.recompute_extra, st.rebuild_bytes
+
+
 def fit_order(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None], recompute_cost,
               pristine: StageGraph, *, ilp: bool = True) -> None:
     """Give a fixed per-rank order's pairs memory strategies under ``limits`` (bytes per rank): the per-rank ILP
@@ -369,10 +375,7 @@ def fit_order(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequenc
     if ilp:
         if not optimize_memory(graph, order, limits)["unsolved"]:
             return
-        for k, st in pristine.stages.items():  # the greedy starts where the pairs started
-            o = graph.stages[k]
-            o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
-            o.keep_bytes, o.recompute_extra, o.rebuild_bytes = st.keep_bytes, st.recompute_extra, st.rebuild_bytes
+        copy_strategies(graph, pristine)  # the greedy starts where the pairs started
     fit_by_recompute(graph, order, limits, recompute_cost)
     relax_recompute(graph, order, limits)
     if ilp:

@@ -5,13 +5,14 @@ interleaver (PAPER.md §2.4), the memory ILP (§2.5) and MCTS (§2.3), lowered t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections import defaultdict
 from typing import Sequence
 
-from ..plan import Plan, PlanError, recompute_layout, validate
-from .memory import fit_order, optimize_memory
+from ..plan import Plan, PlanError, recompute_layout, stage_key, validate
+from .memory import apply_option, copy_strategies, fit_order, optimize_memory
 from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, order_peaks, timed_schedule
 
 from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
@@ -89,8 +90,9 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     memory limit the search has :data:`SEARCH_SHARE` of the budget and the rest fills the busiest rank's idle gaps
     with later forwards (:func:`_fill_gaps`, dipc's own local search); the progress of both is in
     ``plan.simulated["search"]`` (``"gap_fill"``: moves, seconds, and the scheduler's iteration estimate before and
-    after, ``before_s`` / ``after_s``: without the simulator's posting costs and epilogue).  ``search_workers``: processes scoring its rollouts in parallel
-    (DIP §2.3's parallel workers; at most half the host's cores, :func:`dipc.planner.mcts.max_workers`).
+    after, ``before_s`` / ``after_s``: without the simulator's posting costs and epilogue).  ``search_workers``:
+    processes scoring its rollouts in parallel (DIP §2.3's parallel workers; at most half the host's cores,
+    :func:`dipc.planner.mcts.max_workers`).
 
     Raises:
         ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
@@ -395,16 +397,11 @@ def with_plan_strategies(w: StepWorkload, plan: Plan) -> StepWorkload:
     stages are still at "keep", so its step report read the plan's peak memory as if nothing recomputed.  Returns
     ``w`` itself when its stages already agree; else a copy (``w`` is not changed).  A pair whose stage is not at
     "keep" here (a forced strategy) or whose strategy is not among its options is left as it is."""
-    from ..plan import stage_key
-    from .memory import apply_option
-
     want = {stage_key("F", a.chunk, a.mb, a.sub): a.strategy for _, a in plan.compute_actions() if a.kind == "F"}
     fix = [k for k, s in want.items() if k in w.graph.stages and w.graph.stages[k].strategy != s
            and w.graph.stages[k].strategy == "keep"]
     if not fix:
         return w
-    import dataclasses
-
     g = _copy_stages(w.graph)
     for k in fix:
         layout = recompute_layout(want[k])
@@ -541,12 +538,10 @@ def _group_policies(w: StepWorkload, P: int, options: dict, budgets) -> list[tup
 
 
 def _take(graph: StageGraph, g: StageGraph) -> None:
-    """Copy the strategies and latencies a planning candidate ``g`` chose into ``graph``."""
+    """Copy the strategies, latencies and priorities a planning candidate ``g`` chose into ``graph``."""
+    copy_strategies(graph, g)
     for k, st in g.stages.items():
-        o = graph.stages[k]
-        o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
-        o.keep_bytes, o.recompute_extra, o.priority = st.keep_bytes, st.recompute_extra, st.priority
-        o.rebuild_bytes = st.rebuild_bytes
+        graph.stages[k].priority = st.priority
 
 
 def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder_first=None, seeds=(), *,
