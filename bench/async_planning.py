@@ -81,6 +81,7 @@ def main(argv=None) -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--raw", default=None, help="also write every rank's per-step figures (JSON) here")
     args = ap.parse_args(argv)
     from dipc.launch import spawn
 
@@ -88,6 +89,10 @@ def main(argv=None) -> None:
     res = spawn(_rank, 2, (args.model, args.batches, args.batch_size, args.microbatches, args.rounds),
                 timeout=3600)[0]
     wall = time.perf_counter() - t0
+    if args.raw:
+        import json
+        with open(args.raw, "w") as f:
+            json.dump(res, f)
     n = len(res[0]["times"]["precomputed"])
     step = {m: [max(r["times"][m][i] for r in res) for i in range(n)] for m in res[0]["times"]}
     base = statistics.fmean(step["precomputed"])

@@ -80,6 +80,35 @@ def _pruned(options: tuple, S: int) -> tuple:
     return tuple(out)
 
 
+class _Candidates:
+    """One pair's candidates for :func:`optimize_memory`: ``opts`` (most bytes first), their bytes ``mem`` and
+    extra backward seconds ``extra`` as arrays, the least and most bytes, the fastest candidate's index (the least
+    extra, then the most bytes) and the indices on the lower convex hull (:func:`_lower_hull`)."""
+
+    __slots__ = ("opts", "mem", "extra", "least", "most", "fastest", "hull")
+
+    def __init__(self, opts: tuple):
+        self.opts = opts
+        self.mem = np.fromiter((o[1] for o in opts), np.float64, len(opts))
+        self.extra = np.fromiter((o[2] for o in opts), np.float64, len(opts))
+        self.least, self.most = float(self.mem.min()), float(self.mem.max())
+        self.fastest = min(range(len(opts)), key=lambda j: (opts[j][2], -opts[j][1]))
+        self.hull = _lower_hull(tuple((o[1], o[2]) for o in opts))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _table(options: tuple, S: int, prune: bool) -> _Candidates:
+    return _Candidates(tuple(prune_options(options, S)) if prune else options)
+
+
+def _candidates(st, S: int, uniform: bool) -> _Candidates:
+    """The candidates of forward ``st``'s pair: its ``options`` pruned to ``S`` (all of them with ``uniform``), or
+    its current strategy alone; cached on the options, which a pair keeps over a search's rollouts (the per-pair
+    work was half of each memory optimisation at VLM-L / 64 microbatches)."""
+    own = tuple(st.options) or ((st.strategy, st.activation_bytes, st.recompute_extra, st.rebuild_bytes),)
+    return _table(own, S, not uniform)
+
+
 def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -> None:
     """Give forward ``fk`` and its backward the candidate ``option = (strategy, bytes, extra seconds[, rebuilt
     bytes])``: both count its bytes, the backward's latency is its "keep" latency plus ``extra`` and it rebuilds
@@ -134,53 +163,46 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         pairs = [k for k in ks if graph.stages[k].kind == "F"]
         if not pairs:
             continue
-        opts = []
-        for k in pairs:
-            st = graph.stages[k]
-            own = list(st.options) or [(st.strategy, st.activation_bytes, st.recompute_extra, st.rebuild_bytes)]
-            opts.append(own if uniform else prune_options(own, S))
-        # variables: per group (pair, or chunk with uniform) x candidate
-        if uniform:
+        # each pair's candidates (most bytes first) as arrays, kept over a search's rollouts (_candidates)
+        tabs = [_candidates(graph.stages[k], S, uniform) for k in pairs]
+        n_of = np.fromiter((len(t.opts) for t in tabs), np.int64, len(tabs))
+        if uniform:  # variables per (chunk, candidate): the strategies every pair of the chunk has
             names: dict[int, list[str]] = {}
-            for k, o in zip(pairs, opts):
+            for k, t in zip(pairs, tabs):
                 c = graph.stages[k].chunk
-                here = [x[0] for x in o]
+                here = [x[0] for x in t.opts]
                 names[c] = here if c not in names else [n for n in names[c] if n in here]
-            base = {}
-            n_var = 0
+            base_of, n_var = {}, 0
             for c in sorted(names):
-                base[c] = n_var
+                base_of[c] = n_var
                 n_var += len(names[c])
-            cols = []
-            for k, o in zip(pairs, opts):
+            sel = []  # per pair: the indices of its candidates that are variables
+            var_l = []
+            for k, t in zip(pairs, tabs):
                 c = graph.stages[k].chunk
-                by = {x[0]: x for x in o}
-                cols.append([(base[c] + j, by[n]) for j, n in enumerate(names[c])])
-            groups = [list(range(base[c], base[c] + len(names[c]))) for c in sorted(names)]
+                j_of = {x[0]: j for j, x in enumerate(t.opts)}
+                sel.append(np.asarray([j_of[n] for n in names[c]], dtype=np.int64))
+                var_l.append(base_of[c] + np.arange(len(names[c])))
+            least_p = np.asarray([t.mem[j].min() for t, j in zip(tabs, sel)])
+            most_p = np.asarray([t.mem[j].max() for t, j in zip(tabs, sel)])
         else:
-            cols, groups, n_var = [], [], 0
-            for o in opts:
-                cols.append([(n_var + j, x) for j, x in enumerate(o)])
-                groups.append(list(range(n_var, n_var + len(o))))
-                n_var += len(o)
+            least_p = np.fromiter((t.least for t in tabs), np.float64, len(tabs))
+            most_p = np.fromiter((t.most for t in tabs), np.float64, len(tabs))
         # peak rows: forwards followed by a backward (or last); pair i is live at row positions lo_i <= p < hi_i
-        rows = [p for p, k in enumerate(ks) if graph.stages[k].kind == "F"
-                and (p + 1 == len(ks) or graph.stages[ks[p + 1]].kind == "B")]
-        rows_a = np.asarray(rows)
-        lo = np.asarray([pos[k] for k in pairs])
-        hi = np.asarray([pos["B" + k[1:]] for k in pairs])
+        rows = [p for p, k in enumerate(ks) if k[0] == "F" and (p + 1 == len(ks) or ks[p + 1][0] == "B")]
+        rows_a = np.asarray(rows, dtype=np.int64)
+        lo = np.fromiter((pos[k] for k in pairs), np.int64, len(pairs))
+        hi = np.fromiter((pos["B" + k[1:]] for k in pairs), np.int64, len(pairs))
         ra = np.searchsorted(rows_a, lo, side="left")
         rb = np.searchsorted(rows_a, hi, side="left")
 
-        def levels(pick):
+        def levels(per_pair):
             d = np.zeros(len(rows) + 1)
-            for i, o in enumerate(cols):
-                m = pick(x[1] for _, x in o)
-                d[ra[i]] += m
-                d[rb[i]] -= m
+            np.add.at(d, ra, per_pair)
+            np.add.at(d, rb, -per_pair)
             return np.cumsum(d)[:-1]
 
-        least, most = levels(min), levels(max)
+        least, most = levels(least_p), levels(most_p)
         if len(rows) and least.max() > M * (1 + 1e-9):  # infeasible orders are refused before the solver
             p = int(np.argmax(least))
             raise PlanError(f"rank {r} keeps {least[p]:.4g} bytes of activations at {ks[rows[p]]} with every pair "
@@ -192,51 +214,57 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         binding = most > M * (1 + 1e-9)
         keep_row = np.flatnonzero(binding)
         first_binding = np.concatenate([[0], np.cumsum(binding)])  # binding rows before each row index
-        free = [i for i in range(len(pairs)) if first_binding[rb[i]] - first_binding[ra[i]] == 0]
-        free_set = set(free)
+        ra, rb = first_binding[ra], first_binding[rb]  # the binding rows each pair is live in
+        free = rb == ra
         if uniform:  # a chunk is free only if every one of its pairs is
-            busy_groups = {cols[i][0][0] for i in range(len(pairs)) if i not in free_set}
-            free_set = {i for i in free_set if cols[i][0][0] not in busy_groups}
-        for i in sorted(free_set):
-            o = cols[i]
-            chosen = min((x for _, x in o), key=lambda q: (q[2], -q[1]))
-            apply_option(graph, pairs[i], chosen)
-            stats["extra_s"] += chosen[2]
-        active = [i for i in range(len(pairs)) if i not in free_set]
-        if not active:
+            busy = {graph.stages[pairs[i]].chunk for i in np.flatnonzero(~free)}
+            free &= np.fromiter((graph.stages[k].chunk not in busy for k in pairs), bool, len(pairs))
+        for i in np.flatnonzero(free):
+            t = tabs[i]
+            j = t.fastest if not uniform else min(sel[i], key=lambda q: (t.extra[q], -t.mem[q]))
+            apply_option(graph, pairs[i], t.opts[j])
+            stats["extra_s"] += t.opts[j][2]
+        active = np.flatnonzero(~free)
+        if not len(active):
             stats["pairs"] += len(pairs)
             stats["solved"].append(r)
             continue
         n_rows = len(keep_row)
-        # renumber the variables of the active pairs
-        used = sorted({v for i in active for v, _ in cols[i]})
-        vmap = {v: j for j, v in enumerate(used)}
-        groups = [[vmap[v] for v in g if v in vmap] for g in groups]
-        groups = [g for g in groups if g]
-        n_var = len(used)
-        active_set = set(active)
-        cols = [[(vmap[v], x) for v, x in cols[i]] if i in active_set else [] for i in range(len(pairs))]
-        ra, rb = first_binding[ra], first_binding[rb]  # the binding rows each pair is live in
+        # the active pairs' variables: each pair's candidates in a run of columns (uniform: its chunk's run,
+        # renumbered over the chunks of active pairs); ent_*: one entry per (active pair, candidate)
+        if uniform:
+            used = np.unique(np.concatenate([var_l[i] for i in active]))
+            vmap = np.full(n_var, -1, dtype=np.int64)
+            vmap[used] = np.arange(len(used))
+            n_var = len(used)
+            ent_var = np.concatenate([vmap[var_l[i]] for i in active])
+            ent_mem = np.concatenate([tabs[i].mem[sel[i]] for i in active])
+            ent_extra = np.concatenate([tabs[i].extra[sel[i]] for i in active])
+            per = np.asarray([len(sel[i]) for i in active])
+            starts = np.asarray(sorted({int(vmap[var_l[i][0]]) for i in active}), dtype=np.int64)
+        else:
+            per = n_of[active]
+            n_var = int(per.sum())
+            ent_var = np.arange(n_var)
+            ent_mem = np.concatenate([tabs[i].mem for i in active])
+            ent_extra = np.concatenate([tabs[i].extra for i in active])
+            starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
         c = np.zeros(n_var)
-        ent = []  # (first binding row, rows live, variable, bytes) of each nonzero run of the memory rows
-        for i in active:
-            n_live = int(rb[i] - ra[i])
-            for v, x in cols[i]:
-                c[v] += x[2]
-                if n_live and x[1]:
-                    ent.append((int(ra[i]), n_live, v, x[1]))
+        np.add.at(c, ent_var, ent_extra)
+        ent_ra = np.repeat(ra[active], per)
+        ent_live = np.repeat(rb[active] - ra[active], per)
+        nz = (ent_live > 0) & (ent_mem != 0)
         ri = ci = vals = None
-        if ent:
-            e = np.asarray(ent, dtype=np.float64)
-            lens = e[:, 1].astype(np.int64)
+        if nz.any():
+            lens = ent_live[nz]
             within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-            ri = np.repeat(e[:, 0].astype(np.int64), lens) + within
-            ci = np.repeat(e[:, 2].astype(np.int64), lens)
-            vals = np.repeat(e[:, 3], lens)
+            ri = np.repeat(ent_ra[nz], lens) + within
+            ci = np.repeat(ent_var[nz], lens)
+            vals = np.repeat(ent_mem[nz], lens)
         cons = []
-        a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(groups)), [len(g) for g in groups]),
-                                                np.concatenate([np.asarray(g) for g in groups]))),
-                              shape=(len(groups), n_var)).tocsr()
+        ends = np.concatenate([starts[1:], [n_var]])
+        a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(starts)), ends - starts), np.arange(n_var))),
+                              shape=(len(starts), n_var)).tocsr()
         cons.append(LinearConstraint(a_choice, 1, 1))
         if ri is not None:
             a_mem = coo_matrix((vals, (ri, ci)), shape=(n_rows, n_var)).tocsr()  # duplicates (uniform) sum
@@ -246,9 +274,9 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                    - graph.stages[pairs[i]].recompute_extra for i in active)  # the pairs' "keep" seconds
         hull = None
         if not uniform:  # a pair's candidate has one byte count in every row it is live in
-            hull = np.asarray(sorted(cols[i][j][0] for i in active
-                                     for j in _lower_hull(tuple((x[1], x[2]) for _, x in cols[i]))))
-        x, status, bound = _solve(c, cons, groups, M, gap, time_limit, base, hull)
+            hull = np.sort(np.concatenate([s0 + np.asarray(tabs[i].hull, dtype=np.int64)
+                                          for s0, i in zip(starts, active)]))
+        x, status, bound = _solve(c, cons, starts, M, gap, time_limit, base, hull)
         stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
                                                   "rows": n_rows, "seconds": time.perf_counter() - t_solve,
                                                   "how": status, "lower_bound_s": bound})
@@ -256,13 +284,19 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         if x is None:
             stats["unsolved"].append(r)
             continue
-        for i in active:
-            k, o = pairs[i], cols[i]
-            chosen = next((opt for v, opt in o if x[v]), None)
-            if chosen is None:  # numerically ambiguous: take the least memory, always feasible
-                chosen = min((opt for _, opt in o), key=lambda q: q[1])
-            apply_option(graph, k, chosen)
-            stats["extra_s"] += chosen[2]
+        at = 0
+        for i, n_i in zip(active, per):
+            t, js = tabs[i], (sel[i] if uniform else None)
+            vs = ent_var[at:at + n_i]
+            at += n_i
+            on = np.flatnonzero(x[vs])
+            if len(on):
+                j = int(on[0]) if js is None else int(js[on[0]])
+            else:  # numerically ambiguous: take the least memory, always feasible
+                cand = range(len(t.opts)) if js is None else js
+                j = min(cand, key=lambda q: t.mem[q])
+            apply_option(graph, pairs[i], t.opts[j])
+            stats["extra_s"] += t.opts[j][2]
         stats["solved"].append(r)
     stats["seconds"] = time.perf_counter() - t0
     return stats
@@ -294,14 +328,15 @@ def _lower_hull(points: tuple) -> tuple:
     return tuple(hull)
 
 
-def _solve(c, cons, groups, M, gap, time_limit, base=0.0, hull=None):
+def _solve(c, cons, starts, M, gap, time_limit, base=0.0, hull=None):
     """One rank's ILP: the LP relaxation first (a lower bound), rounded to integers by giving each group with a
     fractional choice its least-memory candidate used (every row then holds: memory only goes down), then greedy
     upgrades to faster candidates where every row still holds; when that is within ``gap`` of the bound it is
     taken (the common case, milliseconds), else HiGHS's branch and bound runs under ``time_limit`` and the better of
     the two is kept.  As in the paper the objective is the pairs' whole latency, ``base`` (their "keep" seconds)
-    plus the recompute seconds ``c @ x``, and the gap is relative to it.  Candidates of a group are ordered from
-    the most memory to the least.  ``hull``: the variables the relaxation needs (each pair's lower hull,
+    plus the recompute seconds ``c @ x``, and the gap is relative to it.  A group (a pair, or a chunk with
+    ``uniform``) is a run of variables from ``starts[g]`` to the next start, its candidates ordered from the most
+    memory to the least.  ``hull``: the variables the relaxation needs (each pair's lower hull,
     :func:`_lower_hull`; None: all).  Returns
     ``(x as bools or None, "lp-rounded" | "milp" | "none", lower bound)``."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -321,26 +356,29 @@ def _solve(c, cons, groups, M, gap, time_limit, base=0.0, hull=None):
     if lp_x is None:
         return None, "none", float("nan")
     bound = float(lp.fun)
+    ends = np.concatenate([starts[1:], [n]])
+    idx = np.arange(n)
+    last_used = np.maximum.reduceat(np.where(lp_x > 1e-9, idx, -1), starts)  # each group's least memory used
+    cur = np.where(last_used >= 0, last_used, ends - 1)
     x = np.zeros(n, dtype=bool)
-    for g in groups:
-        used = [v for v in g if lp_x[v] > 1e-9]
-        x[used[-1] if used else g[-1]] = True
+    x[cur] = True
     if len(cons) > 1:
         a_mem = cons[1].A.toarray()  # binding rows x variables: small (peaks x candidates), dense is fastest
         level = a_mem @ x
         cap = M * (1 + 1e-9)
-        cur_of = {gi: next(v for v in g if x[v]) for gi, g in enumerate(groups)}
-        gain = {gi: c[cur_of[gi]] - min(c[v] for v in g) for gi, g in enumerate(groups)}
-        for gi in sorted((gi for gi in gain if gain[gi] > 0), key=lambda gi: -gain[gi]):
-            g, cur = groups[gi], cur_of[gi]
-            for v in sorted(g, key=lambda v: c[v]):  # fastest first
-                if c[v] >= c[cur]:
-                    break
-                new = level + a_mem[:, v] - a_mem[:, cur]
-                if (new <= cap).all():
-                    level = new
-                    x[cur], x[v] = False, True
-                    break
+        gain = c[cur] - np.minimum.reduceat(c, starts)
+        for gi in np.argsort(-gain, kind="stable"):  # the largest saving first
+            if gain[gi] <= 0:
+                break
+            v0 = cur[gi]
+            g = np.arange(starts[gi], ends[gi])
+            g = g[np.argsort(c[g], kind="stable")]  # fastest first
+            g = g[c[g] < c[v0]]
+            fits = ((level[:, None] + a_mem[:, g] - a_mem[:, [v0]]) <= cap).all(axis=0)
+            if fits.any():
+                v = g[int(np.argmax(fits))]
+                level = level + a_mem[:, v] - a_mem[:, v0]
+                x[v0], x[v] = False, True
     value = float(c @ x)
     if value + base <= (bound + base) * (1 + gap) + 1e-9:
         return x, "lp-rounded", bound
