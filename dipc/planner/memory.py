@@ -342,17 +342,20 @@ def _solve(c, cons, starts, M, gap, time_limit, base=0.0, hull=None):
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     n = len(c)
-    if hull is not None:  # the relaxation over the variables on each pair's lower hull: the same optimum
-        sub = hull
-        lp = milp(c[sub], constraints=[LinearConstraint(k.A[:, sub], k.lb, k.ub) for k in cons],
-                  integrality=np.zeros(len(sub)), bounds=Bounds(0, 1))
-        lp_x = None
+    sub = hull if hull is not None else np.arange(n)  # the relaxation over each pair's lower hull: the same optimum
+    # the memory rows in units of the budget (bytes of 1e9-1e10 beside the choice rows' ones): without presolve
+    # the relaxation then takes 14 ms instead of 25 at VLM-L / 64 microbatches (presolve only when that fails)
+    unit = M if M > 0 else 1.0
+    lp_cons = [LinearConstraint(k.A[:, sub] / (unit if i else 1.0), k.lb, k.ub / (unit if i else 1.0))
+               for i, k in enumerate(cons)]
+    lp_x = None
+    for presolve in (False, True):
+        lp = milp(c[sub], constraints=lp_cons, integrality=np.zeros(len(sub)), bounds=Bounds(0, 1),
+                  options={"presolve": presolve})
         if lp.x is not None:
             lp_x = np.zeros(n)
             lp_x[sub] = lp.x
-    else:
-        lp = milp(c, constraints=cons, integrality=np.zeros(n), bounds=Bounds(0, 1))
-        lp_x = lp.x
+            break
     if lp_x is None:
         return None, "none", float("nan")
     bound = float(lp.fun)
