@@ -110,11 +110,11 @@ def test_lp_relaxation_over_each_pairs_lower_hull_has_the_full_relaxations_optim
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import csr_matrix
 
-    from dipc.planner.memory import _lower_hull
+    from dipc.planner.memory import _Candidates, _lower_hull, _relax, _solve_pairs
 
     rnd = random.Random(seed)
     n_pairs, n_rows = rnd.randint(1, 8), rnd.randint(1, 6)
-    cost, mem, groups, rows = [], [], [], np.zeros((n_rows, 0))
+    cost, mem, groups, rows, spans = [], [], [], np.zeros((n_rows, 0)), []
     for _ in range(n_pairs):
         k = rnd.randint(1, 6)
         pts = [(rnd.uniform(0, 100), rnd.uniform(0, 10)) for _ in range(k)]
@@ -123,7 +123,9 @@ def test_lp_relaxation_over_each_pairs_lower_hull_has_the_full_relaxations_optim
         mem += [p[0] for p in pts]
         live = np.zeros((n_rows, 1))
         lo = rnd.randrange(n_rows)
-        live[lo:rnd.randint(lo + 1, n_rows)] = 1
+        hi = rnd.randint(lo + 1, n_rows)
+        live[lo:hi] = 1
+        spans.append((lo, hi))
         rows = np.hstack([rows, live * np.asarray([p[0] for p in pts])[None, :]])
     c = np.asarray(cost)
     least = sum(min(mem[v] for v in g) for g in groups)
@@ -143,6 +145,18 @@ def test_lp_relaxation_over_each_pairs_lower_hull_has_the_full_relaxations_optim
     assert (full.x is None) == (sub.x is None)
     if full.x is not None:
         assert sub.fun == pytest.approx(full.fun, rel=1e-7, abs=1e-9)
+    # the incremental form the planner solves (each pair from its fastest hull point along its hull segments, no
+    # one-per-pair rows) has the same optimum, and its rounding keeps every row under the limit
+    tabs = [_Candidates(tuple((f"s{j}", mem[v], cost[v]) for j, v in enumerate(g))) for g in groups]
+    lo, hi = (np.asarray(x, dtype=np.int64) for x in zip(*spans))
+    relaxed = _relax(tabs, lo, hi, n_rows, M)
+    assert (relaxed is None) == (full.x is None)
+    if full.x is not None:
+        assert relaxed[1] == pytest.approx(full.fun, rel=1e-6, abs=1e-7)
+        js, how, bound = _solve_pairs(tabs, lo, hi, n_rows, M, 0.05, 2.0, 0.0)
+        level = sum(rows[:, g[j]] for g, j in zip(groups, js))
+        assert (level <= M * (1 + 1e-9)).all()
+        assert sum(cost[g[j]] for g, j in zip(groups, js)) >= bound - 1e-7
 
 
 def test_ilp_refuses_an_order_that_cannot_fit_and_names_the_rank():

@@ -14,7 +14,9 @@ forward-backward stage pair, chosen by a small ILP per pipeline rank.
   at most the rank's activation budget: ``sum mem[i, j] * o[i, j] <= M``.  The memory is counted on the rank's
   order, as :func:`dipc.schedule.order_peaks` and the simulator count it, so the chosen strategies fit whatever
   the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved by
-  HiGHS through ``scipy.optimize.milp`` with a 5% relative gap and a time limit.  scipy gives HiGHS no starting
+  HiGHS: its LP relaxation (in incremental form over each pair's lower hull, :func:`_relax`) rounded and greedily
+  improved, and ``scipy.optimize.milp``'s branch and bound only when that is not within the 5% relative gap of
+  the relaxation's bound (:func:`_solve_pairs`), under a time limit.  scipy gives HiGHS no starting
   solution, so the greedy warm start of the paper is the fallback instead: a rank the solver leaves without a
   solution in time keeps what the greedy recompute fit (:func:`dipc.schedule.fit_by_recompute`) gave it.
 * ``uniform``: one strategy per chunk for all its microbatches (a static schedule's user sets recompute once per
@@ -85,15 +87,23 @@ class _Candidates:
     extra backward seconds ``extra`` as arrays, the least and most bytes, the fastest candidate's index (the least
     extra, then the most bytes) and the indices on the lower convex hull (:func:`_lower_hull`)."""
 
-    __slots__ = ("opts", "mem", "extra", "least", "most", "fastest", "hull")
+    __slots__ = ("opts", "mem", "extra", "least", "most", "fastest", "hull", "path", "seg_cost", "seg_save",
+                 "by_speed", "mem_l", "extra_l")
 
     def __init__(self, opts: tuple):
         self.opts = opts
         self.mem = np.fromiter((o[1] for o in opts), np.float64, len(opts))
         self.extra = np.fromiter((o[2] for o in opts), np.float64, len(opts))
+        self.mem_l, self.extra_l = self.mem.tolist(), self.extra.tolist()
         self.least, self.most = float(self.mem.min()), float(self.mem.max())
         self.fastest = min(range(len(opts)), key=lambda j: (opts[j][2], -opts[j][1]))
         self.hull = _lower_hull(tuple((o[1], o[2]) for o in opts))
+        # the hull from its fastest point to its least memory, and the segments between neighbours: the seconds
+        # each step adds and the bytes it saves (the incremental form of the relaxation, _relax)
+        self.path = self.hull[::-1]
+        p = np.asarray(self.path, dtype=np.int64)
+        self.seg_cost, self.seg_save = np.diff(self.extra[p]), -np.diff(self.mem[p])
+        self.by_speed = sorted(range(len(opts)), key=lambda j: self.extra_l[j])  # stable: most bytes first on ties
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -150,9 +160,6 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         PlanError: a rank's pairs exceed its budget at some peak even with every pair at its least memory (names
             the rank, the stage, the bytes and the budget).
     """
-    from scipy.optimize import LinearConstraint
-    from scipy.sparse import coo_matrix
-
     t0 = time.perf_counter()
     stats = {"seconds": 0.0, "solved": [], "unsolved": [], "pairs": 0, "extra_s": 0.0}
     for r, ks in enumerate(order):
@@ -230,76 +237,204 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
             stats["solved"].append(r)
             continue
         n_rows = len(keep_row)
-        # the active pairs' variables: each pair's candidates in a run of columns (uniform: its chunk's run,
-        # renumbered over the chunks of active pairs); ent_*: one entry per (active pair, candidate)
-        if uniform:
-            used = np.unique(np.concatenate([var_l[i] for i in active]))
-            vmap = np.full(n_var, -1, dtype=np.int64)
-            vmap[used] = np.arange(len(used))
-            n_var = len(used)
-            ent_var = np.concatenate([vmap[var_l[i]] for i in active])
-            ent_mem = np.concatenate([tabs[i].mem[sel[i]] for i in active])
-            ent_extra = np.concatenate([tabs[i].extra[sel[i]] for i in active])
-            per = np.asarray([len(sel[i]) for i in active])
-            starts = np.asarray(sorted({int(vmap[var_l[i][0]]) for i in active}), dtype=np.int64)
-        else:
-            per = n_of[active]
-            n_var = int(per.sum())
-            ent_var = np.arange(n_var)
-            ent_mem = np.concatenate([tabs[i].mem for i in active])
-            ent_extra = np.concatenate([tabs[i].extra for i in active])
-            starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
-        c = np.zeros(n_var)
-        np.add.at(c, ent_var, ent_extra)
-        ent_ra = np.repeat(ra[active], per)
-        ent_live = np.repeat(rb[active] - ra[active], per)
-        nz = (ent_live > 0) & (ent_mem != 0)
-        ri = ci = vals = None
-        if nz.any():
-            lens = ent_live[nz]
-            within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-            ri = np.repeat(ent_ra[nz], lens) + within
-            ci = np.repeat(ent_var[nz], lens)
-            vals = np.repeat(ent_mem[nz], lens)
-        cons = []
-        ends = np.concatenate([starts[1:], [n_var]])
-        a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(starts)), ends - starts), np.arange(n_var))),
-                              shape=(len(starts), n_var)).tocsr()
-        cons.append(LinearConstraint(a_choice, 1, 1))
-        if ri is not None:
-            a_mem = coo_matrix((vals, (ri, ci)), shape=(n_rows, n_var)).tocsr()  # duplicates (uniform) sum
-            cons.append(LinearConstraint(a_mem, -np.inf, M))
-        t_solve = time.perf_counter()
         base = sum(graph.stages[pairs[i]].latency + graph.stages["B" + pairs[i][1:]].latency
                    - graph.stages[pairs[i]].recompute_extra for i in active)  # the pairs' "keep" seconds
-        hull = None
-        if not uniform:  # a pair's candidate has one byte count in every row it is live in
-            hull = np.sort(np.concatenate([s0 + np.asarray(tabs[i].hull, dtype=np.int64)
-                                          for s0, i in zip(starts, active)]))
-        x, status, bound = _solve(c, cons, starts, M, gap, time_limit, base, hull)
+        t_solve = time.perf_counter()
+        if uniform:
+            js, status, bound, n_var = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
+                                                      [var_l[i] for i in active], n_var, ra[active], rb[active],
+                                                      n_rows, M, gap, time_limit, base)
+        else:
+            js, status, bound = _solve_pairs([tabs[i] for i in active], ra[active], rb[active], n_rows, M, gap,
+                                             time_limit, base)
+            n_var = int(n_of[active].sum())
         stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
                                                   "rows": n_rows, "seconds": time.perf_counter() - t_solve,
                                                   "how": status, "lower_bound_s": bound})
         stats["pairs"] += len(pairs)
-        if x is None:
+        if js is None:
             stats["unsolved"].append(r)
             continue
-        at = 0
-        for i, n_i in zip(active, per):
-            t, js = tabs[i], (sel[i] if uniform else None)
-            vs = ent_var[at:at + n_i]
-            at += n_i
-            on = np.flatnonzero(x[vs])
-            if len(on):
-                j = int(on[0]) if js is None else int(js[on[0]])
-            else:  # numerically ambiguous: take the least memory, always feasible
-                cand = range(len(t.opts)) if js is None else js
-                j = min(cand, key=lambda q: t.mem[q])
-            apply_option(graph, pairs[i], t.opts[j])
-            stats["extra_s"] += t.opts[j][2]
+        for i, j in zip(active, js):
+            o = tabs[i].opts[j]
+            apply_option(graph, pairs[i], o)
+            stats["extra_s"] += o[2]
         stats["solved"].append(r)
     stats["seconds"] = time.perf_counter() - t0
     return stats
+
+
+def _interval_entries(lo, hi, cols, vals):
+    """Sparse entries ``(rows, cols, values)`` of columns ``cols`` that hold ``vals`` in rows ``lo <= row < hi``
+    (a pair's bytes in every peak row it is live in)."""
+    lens = hi - lo
+    k = (lens > 0) & (vals != 0)
+    lens, lo, cols, vals = lens[k], lo[k], cols[k], vals[k]
+    within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(lo, lens) + within, np.repeat(cols, lens), np.repeat(vals, lens)
+
+
+def _mckp_constraints(starts, n_var, rows, cols, vals, n_rows, M):
+    """The ILP's constraints: one candidate per group (a run of variables from ``starts[g]``), and the memory rows
+    ``sum mem * x <= M`` from the entries ``(rows, cols, vals)`` (duplicates sum)."""
+    from scipy.optimize import LinearConstraint
+    from scipy.sparse import coo_matrix
+
+    ends = np.concatenate([starts[1:], [n_var]])
+    a_choice = coo_matrix((np.ones(n_var), (np.repeat(np.arange(len(starts)), ends - starts), np.arange(n_var))),
+                          shape=(len(starts), n_var)).tocsr()
+    cons = [LinearConstraint(a_choice, 1, 1)]
+    if len(rows):
+        cons.append(LinearConstraint(coo_matrix((vals, (rows, cols)), shape=(n_rows, n_var)).tocsr(), -np.inf, M))
+    return cons
+
+
+def _solve_uniform(tabs, sel, var_l, n_var, ra, rb, n_rows, M, gap, time_limit, base):
+    """The ``uniform`` instance (variables per (chunk, candidate), shared by the chunk's pairs) by :func:`_solve`;
+    returns ``(each pair's candidate index or None, how, lower bound, variables)``."""
+    used = np.unique(np.concatenate(var_l))
+    vmap = np.full(n_var, -1, dtype=np.int64)
+    vmap[used] = np.arange(len(used))
+    n_var = len(used)
+    ent_var = np.concatenate([vmap[v] for v in var_l])
+    ent_mem = np.concatenate([t.mem[j] for t, j in zip(tabs, sel)])
+    ent_extra = np.concatenate([t.extra[j] for t, j in zip(tabs, sel)])
+    per = np.asarray([len(j) for j in sel])
+    starts = np.asarray(sorted({int(vmap[v[0]]) for v in var_l}), dtype=np.int64)
+    c = np.zeros(n_var)
+    np.add.at(c, ent_var, ent_extra)
+    rows, cols, vals = _interval_entries(np.repeat(ra, per), np.repeat(rb, per), ent_var, ent_mem)
+    cons = _mckp_constraints(starts, n_var, rows, cols, vals, n_rows, M)
+    x, status, bound = _solve(c, cons, starts, M, gap, time_limit, base)
+    if x is None:
+        return None, status, bound, n_var
+    js, at = [], 0
+    for t, j_sel, n_i in zip(tabs, sel, per):
+        on = np.flatnonzero(x[ent_var[at:at + n_i]])
+        at += n_i
+        # numerically ambiguous (none on): the least memory, always feasible
+        js.append(int(j_sel[on[0]]) if len(on) else int(min(j_sel, key=lambda q: t.mem[q])))
+    return js, status, bound, n_var
+
+
+def _relax(tabs, ra, rb, n_rows, M):
+    """The LP relaxation of one rank's (non-uniform) instance in incremental form (DIP §2.5's ILP, relaxed): each
+    pair starts at its fastest lower-hull point and moves along its hull, segment by segment, ``z`` in [0, 1] of
+    each; a segment adds ``seg_cost`` seconds and saves ``seg_save`` bytes in every peak row the pair is live in
+    (rows ``ra <= row < rb``).  A pair's segments grow in seconds per byte saved (a convex hull), so the
+    relaxation fills them in order with no constraint saying so, and the one-candidate-per-pair rows of the
+    multiple-choice form are gone: at VLM-L / 64 microbatches 375 columns and the rows that bind at the fastest
+    points, against 750 columns and 375 more rows (14 -> 6 ms a rank).  Memory rows are in units of the budget
+    ``M``.  Returns ``(each pair's number of hull steps from its fastest point, lower bound on the extra seconds)``
+    or ``None`` when HiGHS finds no solution.
+    """
+    from scipy.optimize import linprog
+
+    n_seg = np.fromiter((len(t.seg_cost) for t in tabs), np.int64, len(tabs))
+    fast_mem = np.fromiter((t.mem_l[t.path[0]] for t in tabs), np.float64, len(tabs))
+    fast_extra = float(sum(t.extra_l[t.path[0]] for t in tabs))
+    d = np.zeros(n_rows + 1)
+    np.add.at(d, ra, fast_mem)
+    np.add.at(d, rb, -fast_mem)
+    need = np.cumsum(d)[:-1] - M  # bytes each row must save
+    tight = need > M * 1e-9
+    if not tight.any() or not n_seg.sum():
+        return np.zeros(len(tabs), np.int64), fast_extra
+    owner = np.repeat(np.arange(len(tabs)), n_seg)
+    seg_cost = np.concatenate([t.seg_cost for t in tabs])
+    seg_save = np.concatenate([t.seg_save for t in tabs])
+    first = np.concatenate([[0], np.cumsum(tight)])  # tight rows before each row index
+    rows, cols, vals = _interval_entries(first[ra][owner], first[rb][owner], np.arange(len(seg_cost)),
+                                         seg_save / M)
+    from scipy.sparse import csc_matrix
+
+    a_ub = csc_matrix((-vals, (rows, cols)), shape=(int(tight.sum()), len(seg_cost)))
+    b_ub = -need[tight] / M
+    res = None
+    for presolve in (False, True):  # without presolve: faster; with it only if that finds nothing
+        res = linprog(seg_cost, A_ub=a_ub, b_ub=b_ub, bounds=(0, 1), method="highs",
+                      options={"presolve": presolve})
+        if res.x is not None:
+            break
+    if res.x is None:
+        return None
+    # the bytes each pair saves, then the segments it needs for them filled in order (ties in seconds per byte
+    # may leave a later segment used before an earlier one is full); a segment counts as used above 1e-9
+    saved = np.bincount(owner, weights=seg_save * res.x, minlength=len(tabs))
+    excl = np.cumsum(seg_save) - seg_save  # bytes of the segments before each one, over all pairs
+    begin = np.concatenate([[0], np.cumsum(n_seg)[:-1]])  # each pair's first segment
+    before = excl - np.repeat(np.append(excl, 0.0)[begin], n_seg)  # ... within its pair
+    used = (saved[owner] - before) > 1e-9 * seg_save
+    steps = np.bincount(owner, weights=used, minlength=len(tabs)).astype(np.int64)
+    return steps, fast_extra + float(res.fun)
+
+
+def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
+    """One rank's ILP over its active pairs (``tabs``: their :class:`_Candidates`; pair i is live in peak rows
+    ``ra[i] <= row < rb[i]``, ``n_rows`` of them, each at most ``M`` bytes): the relaxation (:func:`_relax`, a
+    lower bound), rounded to integers by giving each pair the least-memory hull point its relaxed choice uses
+    (every row then holds: memory only goes down), then greedy upgrades to faster candidates, the largest saving
+    first, where the pair's rows still hold.  Within ``gap`` of the bound it is taken (the common case), else
+    HiGHS's branch and bound (``scipy.optimize.milp``) runs under ``time_limit`` over every candidate and the
+    better of the two is kept.  The gap is relative to the pairs' whole latency, ``base`` (their "keep" seconds)
+    plus the extra seconds, as in the paper.  Returns ``(each pair's candidate index or None, "lp-rounded" |
+    "milp" | "none", lower bound on the extra seconds)``."""
+    relaxed = _relax(tabs, ra, rb, n_rows, M)
+    if relaxed is None:
+        return None, "none", float("nan")
+    steps, bound = relaxed
+    js = [t.path[k] for t, k in zip(tabs, steps.tolist())]
+    mem = np.fromiter((t.mem_l[j] for t, j in zip(tabs, js)), np.float64, len(tabs))
+    d = np.zeros(n_rows + 1)
+    np.add.at(d, ra, mem)
+    np.add.at(d, rb, -mem)
+    level = np.cumsum(d)[:-1]
+    cap = M * (1 + 1e-9)
+    cur = np.fromiter((t.extra_l[j] for t, j in zip(tabs, js)), np.float64, len(tabs))
+    gain = cur - np.fromiter((t.extra_l[t.by_speed[0]] for t in tabs), np.float64, len(tabs))
+    ra_l, rb_l = ra.tolist(), rb.tolist()
+    for i in np.argsort(-gain, kind="stable").tolist():  # the largest saving first
+        if gain[i] <= 0:
+            break
+        t, j0 = tabs[i], js[i]
+        a, b = ra_l[i], rb_l[i]
+        room = cap - (float(level[a:b].max()) if b > a else 0.0) + t.mem_l[j0]
+        for j in t.by_speed:  # fastest first
+            if t.extra_l[j] >= t.extra_l[j0]:
+                break
+            if t.mem_l[j] <= room:
+                if b > a:
+                    level[a:b] += t.mem_l[j] - t.mem_l[j0]
+                js[i] = j
+                break
+    value = float(sum(t.extra_l[j] for t, j in zip(tabs, js)))
+    if value + base <= (bound + base) * (1 + gap) + 1e-9:
+        return js, "lp-rounded", bound
+    # branch and bound over every candidate: variables per (pair, candidate), most bytes first within a pair
+    per = np.fromiter((len(t.opts) for t in tabs), np.int64, len(tabs))
+    starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
+    n_var = int(per.sum())
+    ent_mem = np.concatenate([t.mem for t in tabs])
+    c = np.concatenate([t.extra for t in tabs])
+    rows, cols, vals = _interval_entries(np.repeat(ra, per), np.repeat(rb, per), np.arange(n_var), ent_mem)
+    x = _milp(c, _mckp_constraints(starts, n_var, rows, cols, vals, n_rows, M), value, bound, base, gap,
+              time_limit)
+    if x is None:
+        return js, "lp-rounded", bound
+    return [int(np.flatnonzero(x[s0:s0 + n])[0]) for s0, n in zip(starts.tolist(), per.tolist())], "milp", bound
+
+
+def _milp(c, cons, value, bound, base, gap, time_limit):
+    """HiGHS's branch and bound (``scipy.optimize.milp``) under ``time_limit`` seconds and ``gap`` (relative to
+    the whole latency ``base + c @ x``, as the paper's); its solution as bools if it beats ``value``, else None."""
+    from scipy.optimize import Bounds, milp
+
+    rel = gap * (bound + base) / max(bound, 1e-12)  # HiGHS's gap is relative to c @ x alone
+    res = milp(c, constraints=cons, integrality=np.ones(len(c)), bounds=Bounds(0, 1),
+               options={"mip_rel_gap": min(rel, 1.0), "time_limit": time_limit})
+    if res.x is not None and float(res.fun) < value:
+        return np.round(res.x).astype(bool)
+    return None
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -328,36 +463,29 @@ def _lower_hull(points: tuple) -> tuple:
     return tuple(hull)
 
 
-def _solve(c, cons, starts, M, gap, time_limit, base=0.0, hull=None):
-    """One rank's ILP: the LP relaxation first (a lower bound), rounded to integers by giving each group with a
-    fractional choice its least-memory candidate used (every row then holds: memory only goes down), then greedy
-    upgrades to faster candidates where every row still holds; when that is within ``gap`` of the bound it is
-    taken (the common case, milliseconds), else HiGHS's branch and bound runs under ``time_limit`` and the better of
-    the two is kept.  As in the paper the objective is the pairs' whole latency, ``base`` (their "keep" seconds)
-    plus the recompute seconds ``c @ x``, and the gap is relative to it.  A group (a pair, or a chunk with
-    ``uniform``) is a run of variables from ``starts[g]`` to the next start, its candidates ordered from the most
-    memory to the least.  ``hull``: the variables the relaxation needs (each pair's lower hull,
-    :func:`_lower_hull`; None: all).  Returns
-    ``(x as bools or None, "lp-rounded" | "milp" | "none", lower bound)``."""
+def _solve(c, cons, starts, M, gap, time_limit, base=0.0):
+    """The ``uniform`` ILP (:func:`_solve_uniform`; groups are chunks, a variable in the rows of all the chunk's
+    pairs): the LP relaxation first (a lower bound), rounded to integers by giving each group with a fractional
+    choice its least-memory candidate used (every row then holds: memory only goes down), then greedy upgrades to
+    faster candidates where every row still holds; within ``gap`` of the bound it is taken, else HiGHS's branch
+    and bound (:func:`_milp`).  A group is a run of variables from ``starts[g]`` to the next start, its
+    candidates ordered from the most memory to the least.  Returns ``(x as bools or None, "lp-rounded" | "milp"
+    | "none", lower bound)``."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     n = len(c)
-    sub = hull if hull is not None else np.arange(n)  # the relaxation over each pair's lower hull: the same optimum
-    # the memory rows in units of the budget (bytes of 1e9-1e10 beside the choice rows' ones): without presolve
-    # the relaxation then takes 14 ms instead of 25 at VLM-L / 64 microbatches (presolve only when that fails)
-    unit = M if M > 0 else 1.0
-    lp_cons = [LinearConstraint(k.A[:, sub] / (unit if i else 1.0), k.lb, k.ub / (unit if i else 1.0))
+    unit = M if M > 0 else 1.0  # the memory rows in units of the budget (as _relax)
+    lp_cons = [LinearConstraint(k.A / (unit if i else 1.0), k.lb, k.ub / (unit if i else 1.0))
                for i, k in enumerate(cons)]
-    lp_x = None
+    lp = None
     for presolve in (False, True):
-        lp = milp(c[sub], constraints=lp_cons, integrality=np.zeros(len(sub)), bounds=Bounds(0, 1),
+        lp = milp(c, constraints=lp_cons, integrality=np.zeros(n), bounds=Bounds(0, 1),
                   options={"presolve": presolve})
         if lp.x is not None:
-            lp_x = np.zeros(n)
-            lp_x[sub] = lp.x
             break
-    if lp_x is None:
+    if lp.x is None:
         return None, "none", float("nan")
+    lp_x = lp.x
     bound = float(lp.fun)
     ends = np.concatenate([starts[1:], [n]])
     idx = np.arange(n)
@@ -385,12 +513,8 @@ def _solve(c, cons, starts, M, gap, time_limit, base=0.0, hull=None):
     value = float(c @ x)
     if value + base <= (bound + base) * (1 + gap) + 1e-9:
         return x, "lp-rounded", bound
-    rel = gap * (bound + base) / max(bound, 1e-12)  # HiGHS's gap is relative to c @ x alone
-    res = milp(c, constraints=cons, integrality=np.ones(n), bounds=Bounds(0, 1),
-               options={"mip_rel_gap": min(rel, 1.0), "time_limit": time_limit})
-    if res.x is not None and float(res.fun) < value:
-        return np.round(res.x).astype(bool), "milp", bound
-    return x, "lp-rounded", bound
+    better = _milp(c, cons, value, bound, base, gap, time_limit)
+    return (better, "milp", bound) if better is not None else (x, "lp-rounded", bound)
 
 
 def copy_strategies(graph: StageGraph, source: StageGraph) -> None:
