@@ -39,6 +39,32 @@ def test_live_activations_stay_under_the_limit_and_the_scheduler_never_deadlocks
     assert max(peaks) <= limit * (1 + 1e-9), (peaks, limit)
 
 
+@settings(max_examples=40, deadline=None)
+@given(p=st.sampled_from([2, 4, 8]), images=st.lists(st.integers(0, 30), min_size=1, max_size=24),
+       window=st.sampled_from([None, 1, 2, 3, 8]), seed=st.integers(0, 1000), text_k=st.sampled_from([1, 2]),
+       comm=st.sampled_from([0.0, 0.05, 0.7]))
+def test_the_unlimited_list_schedule_on_heaps_is_the_general_loops_schedule(p, images, window, seed, text_k, comm):
+    """Without a memory limit, list_schedule runs on per-rank heaps (the search's rollouts): the same order and
+    the same start and end of every stage as the general loop, under random priorities (the search's
+    permutations), windows, transfer times and text-only microbatches."""
+    import random
+
+    import dipc.schedule as sch
+
+    g = vlm_graph(p, images, text_k=text_k)
+    rnd = random.Random(seed)
+    for st_ in g.stages.values():
+        st_.priority = float(rnd.randrange(5))  # ties too: the key breaks them
+    cross = (lambda e: comm) if comm else None
+    fast = list_schedule(g, p, comm_time=cross, window=window)
+    sch._GENERAL = True
+    try:
+        slow = list_schedule(g, p, comm_time=cross, window=window)
+    finally:
+        sch._GENERAL = False
+    assert fast.order == slow.order and fast.start == slow.start and fast.end == slow.end
+
+
 def test_unlimited_memory_grows_with_the_microbatches_a_limit_keeps_it_flat():
     """The issue's measurement: without a limit rank 0 runs every encoder forward first; with one it stays flat."""
     p = 4

@@ -4,7 +4,6 @@ interleaver (PAPER.md §2.4), the memory ILP (§2.5) and MCTS (§2.3), lowered t
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -13,7 +12,8 @@ from typing import Sequence
 
 from ..plan import Plan, PlanError, recompute_layout, stage_key, validate
 from .memory import apply_option, copy_strategies, fit_order, optimize_memory
-from ..schedule import Edge, StageGraph, fit_by_recompute, list_schedule, lower, order_peaks, timed_schedule
+from ..schedule import (Edge, StageGraph, copy_stage, fit_by_recompute, list_schedule, lower, order_peaks,
+                        timed_schedule)
 
 from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
@@ -426,7 +426,7 @@ def _comm_seconds(dev, T: int):
 
 
 def _copy_stages(graph: StageGraph) -> StageGraph:
-    return StageGraph(stages={k: copy.copy(st) for k, st in graph.stages.items()}, edges=graph.edges)
+    return StageGraph(stages={k: copy_stage(st) for k, st in graph.stages.items()}, edges=graph.edges)
 
 
 #: share of ``budget_s`` MCTS gets under a memory limit; the rest fills the busiest rank's gaps (:func:`_fill_gaps`)

@@ -13,11 +13,10 @@ The search starts from the interleaver's own priorities (oldest microbatch first
 """
 from __future__ import annotations
 
-import copy
 import math
 
 from ..plan import PlanError
-from ..schedule import StageGraph, list_schedule, timed_schedule
+from ..schedule import StageGraph, copy_stage, list_schedule, timed_schedule
 from .mcts import SearchResult, mcts
 from .memory import fit_order, optimize_memory
 
@@ -35,8 +34,8 @@ def groups_of(graph: StageGraph) -> list[tuple[int, str]]:
 
 def _copy(graph: StageGraph, priority: dict) -> StageGraph:
     stages = {}
-    for k, st in graph.stages.items():  # copy.copy: a third of dataclasses.replace's time (no __init__ call)
-        stages[k] = c = copy.copy(st)
+    for k, st in graph.stages.items():
+        stages[k] = c = copy_stage(st)
         c.priority = priority[(st.mb, st.modality)]
     return StageGraph(stages=stages, edges=graph.edges)
 
