@@ -27,6 +27,7 @@ Pure: works on a :class:`dipc.schedule.StageGraph` and per-rank orders; no proce
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Sequence
 
@@ -115,8 +116,20 @@ def _candidates(st, S: int, uniform: bool) -> _Candidates:
     """The candidates of forward ``st``'s pair: its ``options`` pruned to ``S`` (all of them with ``uniform``), or
     its current strategy alone; cached on the options, which a pair keeps over a search's rollouts (the per-pair
     work was half of each memory optimisation at VLM-L / 64 microbatches)."""
-    own = tuple(st.options) or ((st.strategy, st.activation_bytes, st.recompute_extra, st.rebuild_bytes),)
+    opts = st.options
+    if opts and isinstance(opts, tuple):  # the copies of a stage share its options tuple: found by identity
+        hit = _BY_ID.get((id(opts), S, uniform))
+        if hit is not None and hit[0] is opts:
+            return hit[1]
+        if len(_BY_ID) >= 1 << 16:
+            _BY_ID.clear()
+        t = _BY_ID[(id(opts), S, uniform)] = (opts, _table(opts, S, not uniform))
+        return t[1]
+    own = tuple(opts) or ((st.strategy, st.activation_bytes, st.recompute_extra, st.rebuild_bytes),)
     return _table(own, S, not uniform)
+
+
+_BY_ID: dict[tuple, tuple] = {}  # (id(options), S, uniform) -> (options, _Candidates); holds options: ids not reused
 
 
 def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -> None:
@@ -128,6 +141,10 @@ def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -
     st = graph.stages[fk]
     b = graph.stages["B" + fk[1:]]
     strategy, nbytes, extra = option[:3]
+    if strategy == "keep" and st.strategy == "keep" and b.strategy == "keep" and st.keep_bytes is None \
+            and st.rebuild_bytes is None and st.recompute_extra == extra and st.activation_bytes == nbytes \
+            and b.activation_bytes == nbytes:
+        return  # already so (most pairs of a rollout): every assignment below would leave it as it is
     keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
     b.latency += extra - st.recompute_extra
     st.recompute_extra = extra
@@ -328,8 +345,6 @@ def _relax(tabs, ra, rb, n_rows, M):
     ``M``.  Returns ``(each pair's number of hull steps from its fastest point, lower bound on the extra seconds)``
     or ``None`` when HiGHS finds no solution.
     """
-    from scipy.optimize import linprog
-
     n_seg = np.fromiter((len(t.seg_cost) for t in tabs), np.int64, len(tabs))
     fast_mem = np.fromiter((t.mem_l[t.path[0]] for t in tabs), np.float64, len(tabs))
     fast_extra = float(sum(t.extra_l[t.path[0]] for t in tabs))
@@ -349,24 +364,58 @@ def _relax(tabs, ra, rb, n_rows, M):
     from scipy.sparse import csc_matrix
 
     a_ub = csc_matrix((-vals, (rows, cols)), shape=(int(tight.sum()), len(seg_cost)))
-    b_ub = -need[tight] / M
-    res = None
-    for presolve in (False, True):  # without presolve: faster; with it only if that finds nothing
-        res = linprog(seg_cost, A_ub=a_ub, b_ub=b_ub, bounds=(0, 1), method="highs",
-                      options={"presolve": presolve})
-        if res.x is not None:
-            break
-    if res.x is None:
+    got = _lp(seg_cost, a_ub, -need[tight] / M)
+    if got is None:
         return None
+    z, fun = got
     # the bytes each pair saves, then the segments it needs for them filled in order (ties in seconds per byte
     # may leave a later segment used before an earlier one is full); a segment counts as used above 1e-9
-    saved = np.bincount(owner, weights=seg_save * res.x, minlength=len(tabs))
+    saved = np.bincount(owner, weights=seg_save * z, minlength=len(tabs))
     excl = np.cumsum(seg_save) - seg_save  # bytes of the segments before each one, over all pairs
     begin = np.concatenate([[0], np.cumsum(n_seg)[:-1]])  # each pair's first segment
     before = excl - np.repeat(np.append(excl, 0.0)[begin], n_seg)  # ... within its pair
     used = (saved[owner] - before) > 1e-9 * seg_save
     steps = np.bincount(owner, weights=used, minlength=len(tabs)).astype(np.int64)
-    return steps, fast_extra + float(res.fun)
+    return steps, fast_extra + fun
+
+
+_HIGHS = threading.local()
+
+
+def _lp(cost, a_ub, b_ub):
+    """``min cost @ z`` subject to ``a_ub @ z <= b_ub``, ``0 <= z <= 1`` (``a_ub`` in CSC) by HiGHS's simplex
+    through highspy (HiGHS's own Python interface), one solver object per thread reused: scipy's ``linprog``, the
+    same solver, spends 6 of its 7 ms per VLM-L / 64-microbatch instance in Python around a 1 ms solve.  Without presolve first (faster here), with it if that finds no
+    optimum.  Returns ``(z, objective)`` or None."""
+    import highspy
+    from highspy import HighsLp, HighsModelStatus, MatrixFormat, kHighsInf
+
+    h = getattr(_HIGHS, "solver", None)
+    if h is None:
+        # highspy.Highs's own constructor prints HiGHS's banner on stdout (in the middle of a training log, once
+        # per planner process); its base class, the plain solver, does not
+        make = getattr(getattr(highspy, "_core", None), "_Highs", None) or highspy.Highs
+        h = _HIGHS.solver = make()
+        h.setOptionValue("output_flag", False)
+    n, m = a_ub.shape[1], a_ub.shape[0]
+    for presolve in ("off", "on"):
+        h.clearModel()
+        h.setOptionValue("presolve", presolve)
+        lp = HighsLp()
+        lp.num_col_, lp.num_row_ = n, m
+        lp.col_cost_ = np.ascontiguousarray(cost, dtype=np.float64)
+        lp.col_lower_, lp.col_upper_ = np.zeros(n), np.ones(n)
+        lp.row_lower_, lp.row_upper_ = np.full(m, -kHighsInf), np.ascontiguousarray(b_ub, dtype=np.float64)
+        lp.a_matrix_.format_ = MatrixFormat.kColwise
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, m
+        lp.a_matrix_.start_ = a_ub.indptr.astype(np.int32)
+        lp.a_matrix_.index_ = a_ub.indices.astype(np.int32)
+        lp.a_matrix_.value_ = a_ub.data.astype(np.float64)
+        h.passModel(lp)
+        h.run()
+        if h.getModelStatus() == HighsModelStatus.kOptimal:
+            return np.asarray(h.getSolution().col_value), float(h.getInfo().objective_function_value)
+    return None
 
 
 def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
