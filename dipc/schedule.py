@@ -209,6 +209,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
     if all(x is None for x in limits) and not _GENERAL:
         return _list_schedule_unlimited(graph, n_ranks, comm_time, window)
     preds, succs = graph.preds(), graph.succs()
+    stages = graph.stages
     remaining = {k: len(preds[k]) for k in graph.stages}
     t_start = {k: 0.0 for k in graph.stages}
     t_last = [0.0] * n_ranks
@@ -291,8 +292,15 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
                 q = queues[r]["F"]
                 adm = adm_of[r] = {"F": q if window is None else [e for e in q if e[1] < first_open[r] + window],
                                    "B": queues[r]["B"]}
-            else:
-                adm = adm_of[r] = {kd: [e for e in queues[r][kd] if admissible(r, e)] for kd in ("F", "B")}
+            else:  # admissible() inlined (a third of a VLM-L / 64-microbatch admission schedule): backwards always
+                lim, lv, a_f = limits[r], live[r], []
+                thr = first_open[r] + window if window is not None else None
+                for e in queues[r]["F"]:
+                    if thr is not None and e[1] >= thr:
+                        continue
+                    if lv + stages[e[-1]].activation_bytes + reserve_of(r, e[1]) <= lim:
+                        a_f.append(e)
+                adm = adm_of[r] = {"F": a_f, "B": list(queues[r]["B"])}
             earliest[r] = min((t_start[e[-1]] for kd in ("F", "B") for e in adm[kd]), default=None)
             if not again:
                 dirty.discard(r)
