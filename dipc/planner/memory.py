@@ -86,9 +86,11 @@ def _pruned(options: tuple, S: int) -> tuple:
 class _Candidates:
     """One pair's candidates for :func:`optimize_memory`: ``opts`` (most bytes first), their bytes ``mem`` and
     extra backward seconds ``extra`` as arrays, the least and most bytes, the fastest candidate's index (the least
-    extra, then the most bytes) and the indices on the lower convex hull (:func:`_lower_hull`)."""
+    extra, then the most bytes), ``path``: the indices on the lower convex hull (:func:`_lower_hull`) from the
+    fastest to the least memory, with ``seg_cost`` / ``seg_save`` the seconds and bytes of each step along it,
+    ``by_speed``: every index, fastest first; ``mem_l`` / ``extra_l``: the arrays as lists (scalar reads)."""
 
-    __slots__ = ("opts", "mem", "extra", "least", "most", "fastest", "hull", "path", "seg_cost", "seg_save",
+    __slots__ = ("opts", "mem", "extra", "least", "most", "fastest", "path", "seg_cost", "seg_save",
                  "by_speed", "mem_l", "extra_l")
 
     def __init__(self, opts: tuple):
@@ -98,10 +100,9 @@ class _Candidates:
         self.mem_l, self.extra_l = self.mem.tolist(), self.extra.tolist()
         self.least, self.most = float(self.mem.min()), float(self.mem.max())
         self.fastest = min(range(len(opts)), key=lambda j: (opts[j][2], -opts[j][1]))
-        self.hull = _lower_hull(tuple((o[1], o[2]) for o in opts))
-        # the hull from its fastest point to its least memory, and the segments between neighbours: the seconds
-        # each step adds and the bytes it saves (the incremental form of the relaxation, _relax)
-        self.path = self.hull[::-1]
+        # the lower hull from its fastest point to its least memory, and the segments between neighbours: the
+        # seconds each step adds and the bytes it saves (the incremental form of the relaxation, _relax)
+        self.path = _lower_hull(tuple((o[1], o[2]) for o in opts))[::-1]
         p = np.asarray(self.path, dtype=np.int64)
         self.seg_cost, self.seg_save = np.diff(self.extra[p]), -np.diff(self.mem[p])
         self.by_speed = sorted(range(len(opts)), key=lambda j: self.extra_l[j])  # stable: most bytes first on ties
@@ -397,6 +398,9 @@ def _lp(cost, a_ub, b_ub):
         make = getattr(getattr(highspy, "_core", None), "_Highs", None) or highspy.Highs
         h = _HIGHS.solver = make()
         h.setOptionValue("output_flag", False)
+        # no worker threads: the simplex here is serial anyway, and the search forks its rollout workers from a
+        # process that has solved (a thread pool does not survive a fork)
+        h.setOptionValue("threads", 1)
     n, m = a_ub.shape[1], a_ub.shape[0]
     for presolve in ("off", "on"):
         h.clearModel()
