@@ -139,8 +139,11 @@ def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -
     the given bytes while it runs (``Stage.rebuild_bytes``; without: all the forward did not keep); the forward
     remembers its "keep" bytes and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo
     it."""
-    st = graph.stages[fk]
-    b = graph.stages["B" + fk[1:]]
+    _apply(graph.stages[fk], graph.stages["B" + fk[1:]], option)
+
+
+def _apply(st, b, option: tuple) -> None:
+    """:func:`apply_option` on the forward stage ``st`` and its backward ``b``."""
     strategy, nbytes, extra = option[:3]
     if strategy == "keep" and st.strategy == "keep" and b.strategy == "keep" and st.keep_bytes is None \
             and st.rebuild_bytes is None and st.recompute_extra == extra and st.activation_bytes == nbytes \
@@ -185,11 +188,20 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         if M is None or not ks:
             continue
         pos = {k: i for i, k in enumerate(ks)}
-        pairs = [k for k in ks if graph.stages[k].kind == "F"]
+        pairs = [k for k in ks if k[0] == "F"]  # a stage's key starts with its kind (dipc.plan.stage_key)
         if not pairs:
             continue
-        # each pair's candidates (most bytes first) as arrays, kept over a search's rollouts (_candidates)
-        tabs = [_candidates(graph.stages[k], S, uniform) for k in pairs]
+        stages = graph.stages
+        fwd = [stages[k] for k in pairs]
+        bkeys = ["B" + k[1:] for k in pairs]
+        bwd = [stages[k] for k in bkeys]
+        # each pair's candidates (most bytes first) as arrays, kept over a search's rollouts (_candidates; its
+        # cache hit inlined: a call per pair was a tenth of a VLM-L / 64-microbatch memory optimisation)
+        get, tabs = _BY_ID.get, []
+        for st in fwd:
+            o = st.options
+            hit = get((id(o), S, uniform))
+            tabs.append(hit[1] if hit is not None and hit[0] is o else _candidates(st, S, uniform))
         n_of = np.fromiter((len(t.opts) for t in tabs), np.int64, len(tabs))
         if uniform:  # variables per (chunk, candidate): the strategies every pair of the chunk has
             names: dict[int, list[str]] = {}
@@ -217,7 +229,7 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         rows = [p for p, k in enumerate(ks) if k[0] == "F" and (p + 1 == len(ks) or ks[p + 1][0] == "B")]
         rows_a = np.asarray(rows, dtype=np.int64)
         lo = np.fromiter((pos[k] for k in pairs), np.int64, len(pairs))
-        hi = np.fromiter((pos["B" + k[1:]] for k in pairs), np.int64, len(pairs))
+        hi = np.fromiter((pos[k] for k in bkeys), np.int64, len(pairs))
         ra = np.searchsorted(rows_a, lo, side="left")
         rb = np.searchsorted(rows_a, hi, side="left")
 
@@ -244,10 +256,10 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         if uniform:  # a chunk is free only if every one of its pairs is
             busy = {graph.stages[pairs[i]].chunk for i in np.flatnonzero(~free)}
             free &= np.fromiter((graph.stages[k].chunk not in busy for k in pairs), bool, len(pairs))
-        for i in np.flatnonzero(free):
+        for i in np.flatnonzero(free).tolist():
             t = tabs[i]
             j = t.fastest if not uniform else min(sel[i], key=lambda q: (t.extra[q], -t.mem[q]))
-            apply_option(graph, pairs[i], t.opts[j])
+            _apply(fwd[i], bwd[i], t.opts[j])
             stats["extra_s"] += t.opts[j][2]
         active = np.flatnonzero(~free)
         if not len(active):
@@ -255,8 +267,8 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
             stats["solved"].append(r)
             continue
         n_rows = len(keep_row)
-        base = sum(graph.stages[pairs[i]].latency + graph.stages["B" + pairs[i][1:]].latency
-                   - graph.stages[pairs[i]].recompute_extra for i in active)  # the pairs' "keep" seconds
+        base = sum(fwd[i].latency + bwd[i].latency - fwd[i].recompute_extra
+                   for i in active.tolist())  # the pairs' "keep" seconds
         t_solve = time.perf_counter()
         if uniform:
             js, status, bound, n_var = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
@@ -273,10 +285,12 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         if js is None:
             stats["unsolved"].append(r)
             continue
-        for i, j in zip(active, js):
+        extra_s = 0.0
+        for i, j in zip(active.tolist(), js):
             o = tabs[i].opts[j]
-            apply_option(graph, pairs[i], o)
-            stats["extra_s"] += o[2]
+            _apply(fwd[i], bwd[i], o)
+            extra_s += o[2]
+        stats["extra_s"] += extra_s
         stats["solved"].append(r)
     stats["seconds"] = time.perf_counter() - t0
     return stats
@@ -360,12 +374,15 @@ def _relax(tabs, ra, rb, n_rows, M):
     seg_cost = np.concatenate([t.seg_cost for t in tabs])
     seg_save = np.concatenate([t.seg_save for t in tabs])
     first = np.concatenate([[0], np.cumsum(tight)])  # tight rows before each row index
-    rows, cols, vals = _interval_entries(first[ra][owner], first[rb][owner], np.arange(len(seg_cost)),
-                                         seg_save / M)
-    from scipy.sparse import csc_matrix
-
-    a_ub = csc_matrix((-vals, (rows, cols)), shape=(int(tight.sum()), len(seg_cost)))
-    got = _lp(seg_cost, a_ub, -need[tight] / M)
+    # the constraint matrix column by column (CSC) as it comes: a segment's entries are the tight rows its pair
+    # is live in, a run of row indices, ascending and distinct; none for a segment that saves nothing
+    lo_c = first[ra][owner]
+    vals = seg_save / M
+    lens = np.where(vals != 0, first[rb][owner] - lo_c, 0)
+    start = np.concatenate([[0], np.cumsum(lens)])
+    index = np.repeat(lo_c, lens) + (np.arange(int(start[-1])) - np.repeat(start[:-1], lens))
+    value = np.repeat(-vals, lens)
+    got = _lp(seg_cost, (start, index, value), int(tight.sum()), -need[tight] / M)
     if got is None:
         return None
     z, fun = got
@@ -383,11 +400,12 @@ def _relax(tabs, ra, rb, n_rows, M):
 _HIGHS = threading.local()
 
 
-def _lp(cost, a_ub, b_ub):
-    """``min cost @ z`` subject to ``a_ub @ z <= b_ub``, ``0 <= z <= 1`` (``a_ub`` in CSC) by HiGHS's simplex
-    through highspy (HiGHS's own Python interface), one solver object per thread reused: scipy's ``linprog``, the
-    same solver, spends 6 of its 7 ms per VLM-L / 64-microbatch instance in Python around a 1 ms solve.  Without presolve first (faster here), with it if that finds no
-    optimum.  Returns ``(z, objective)`` or None."""
+def _lp(cost, a_ub, m, b_ub):
+    """``min cost @ z`` subject to ``a_ub @ z <= b_ub``, ``0 <= z <= 1`` (``a_ub``: ``m`` rows in CSC arrays
+    ``(start, index, value)``, a column's row indices ascending and distinct) by HiGHS's simplex through highspy
+    (HiGHS's own Python interface), one solver object per thread reused: scipy's ``linprog``, the same solver,
+    spends 6 of its 7 ms per VLM-L / 64-microbatch instance in Python around a 1 ms solve.  Without presolve first
+    (faster here), with it if that finds no optimum.  Returns ``(z, objective)`` or None."""
     import highspy
     from highspy import HighsLp, HighsModelStatus, MatrixFormat, kHighsInf
 
@@ -401,7 +419,10 @@ def _lp(cost, a_ub, b_ub):
         # no worker threads: the simplex here is serial anyway, and the search forks its rollout workers from a
         # process that has solved (a thread pool does not survive a fork)
         h.setOptionValue("threads", 1)
-    n, m = a_ub.shape[1], a_ub.shape[0]
+    start, index, value = (np.ascontiguousarray(a_ub[0], dtype=np.int32),
+                           np.ascontiguousarray(a_ub[1], dtype=np.int32),
+                           np.ascontiguousarray(a_ub[2], dtype=np.float64))
+    n = len(start) - 1
     for presolve in ("off", "on"):
         h.clearModel()
         h.setOptionValue("presolve", presolve)
@@ -412,9 +433,7 @@ def _lp(cost, a_ub, b_ub):
         lp.row_lower_, lp.row_upper_ = np.full(m, -kHighsInf), np.ascontiguousarray(b_ub, dtype=np.float64)
         lp.a_matrix_.format_ = MatrixFormat.kColwise
         lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = n, m
-        lp.a_matrix_.start_ = a_ub.indptr.astype(np.int32)
-        lp.a_matrix_.index_ = a_ub.indices.astype(np.int32)
-        lp.a_matrix_.value_ = a_ub.data.astype(np.float64)
+        lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = start, index, value
         h.passModel(lp)
         h.run()
         if h.getModelStatus() == HighsModelStatus.kOptimal:
@@ -441,7 +460,7 @@ def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
     d = np.zeros(n_rows + 1)
     np.add.at(d, ra, mem)
     np.add.at(d, rb, -mem)
-    level = np.cumsum(d)[:-1]
+    level = np.cumsum(d)[:-1].tolist()  # a list: a pair's rows are few, where numpy's per-call cost dominates
     cap = M * (1 + 1e-9)
     cur = np.fromiter((t.extra_l[j] for t, j in zip(tabs, js)), np.float64, len(tabs))
     gain = cur - np.fromiter((t.extra_l[t.by_speed[0]] for t in tabs), np.float64, len(tabs))
@@ -451,13 +470,14 @@ def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
             break
         t, j0 = tabs[i], js[i]
         a, b = ra_l[i], rb_l[i]
-        room = cap - (float(level[a:b].max()) if b > a else 0.0) + t.mem_l[j0]
+        room = cap - (max(level[a:b]) if b > a else 0.0) + t.mem_l[j0]
         for j in t.by_speed:  # fastest first
             if t.extra_l[j] >= t.extra_l[j0]:
                 break
             if t.mem_l[j] <= room:
-                if b > a:
-                    level[a:b] += t.mem_l[j] - t.mem_l[j0]
+                up = t.mem_l[j] - t.mem_l[j0]
+                for q in range(a, b):
+                    level[q] += up
                 js[i] = j
                 break
     value = float(sum(t.extra_l[j] for t, j in zip(tabs, js)))
