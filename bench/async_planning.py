@@ -1,6 +1,6 @@
 """Is planning hidden?  Step time with asynchronous planning vs a precomputed plan vs synchronous planning.
 
-    python bench/async_planning.py                 # the main job's reference VLM, 2 CPU ranks, 12 batches x 3 rounds
+    python bench/async_planning.py                 # the main job's reference VLM, 2 CPU ranks, 12 batches x 8 rounds (~50 s)
     python bench/async_planning.py --model llava   # the main job's default model (re-captures per image count)
     python bench/async_planning.py --out docs/bench_async_planning.md
 
@@ -15,14 +15,19 @@ rounds so that the machine's drift hits all alike:
 * ``sync``: each plan made by rank 0 at the start of its step.
 
 Each step's time is the slowest rank's ``pipe.step`` (split, plan delivery, execution, all-reduces); no optimizer
-step, so every mode runs on the same weights.  The table gives the mean step time per mode, its ratio to the
-precomputed mode (acceptance: async within 2%), the training thread's planning-path time per step and the
-background planner's time per plan.  On this 2-core machine the planner process shares the cores with the two
-ranks, so what it costs the ranks shows up in the async row.
+step, so every mode runs on the same weights.  The table gives the mean and median step time per mode, their
+ratios to the precomputed mode (acceptance: async within 2%), the same ratio paired by round (each round's ratio of
+mean step times, its median over the rounds: the modes of one round see the same machine state), the training
+thread's planning-path time per step and the background planner's time per plan.  On this 2-core machine the
+planner process shares the cores with the two ranks, so what it costs the ranks shows up in the async row.
+After the warm-up every rank runs ``gc.collect(); gc.freeze()``, as the main job does: without it a
+generation-2 collection over the model and its captures (0.1-1.4 s at LLaVA) stalled a step, in any mode, a few
+times a run.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -43,6 +48,10 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds):
         pipe.step(b)
         for p in pipe.parameters():
             p.grad = None
+    # as the main job does (dipc.train): what lives for the whole run is frozen out of the collector, whose
+    # generation-2 passes over it (0.1-1.4 s at LLaVA) stalled a step in any mode a few times a run
+    gc.collect()
+    gc.freeze()
     plans = []
     t0 = time.perf_counter()
     for i, b in enumerate(steps):
@@ -79,7 +88,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
     ap.add_argument("--raw", default=None, help="also write every rank's per-step figures (JSON) here")
     args = ap.parse_args(argv)
@@ -96,16 +105,33 @@ def main(argv=None) -> None:
     n = len(res[0]["times"]["precomputed"])
     step = {m: [max(r["times"][m][i] for r in res) for i in range(n)] for m in res[0]["times"]}
     base = statistics.fmean(step["precomputed"])
+    med_base = statistics.median(step["precomputed"])
+    # paired by round: the modes ran one after another in each round, so a round's ratio of mean step times sees
+    # the same machine state; their median over rounds resists a round hit by another process on the host
+    per_round = n // args.rounds
+
+    def round_ratios(m):
+        return [statistics.fmean(step[m][k * per_round:(k + 1) * per_round])
+                / statistics.fmean(step["precomputed"][k * per_round:(k + 1) * per_round])
+                for k in range(args.rounds)]
+
     lines = [f"# Asynchronous planning on 2 CPU ranks ({args.model}, {args.batches} batches of {args.batch_size}, "
              f"{args.microbatches} microbatches, {args.rounds} rounds)", "",
-             f"`python bench/async_planning.py --model {args.model}` ({wall:.0f} s). Step time: the slowest rank's "
-             "`pipe.step`; plan path: rank 0's time from the step's start to the plan's delivery.", "",
-             "| mode | mean step ms | median step ms | vs precomputed | rank-0 plan path ms | plan sources |",
-             "|---|---|---|---|---|---|"]
+             f"`python bench/async_planning.py --model {args.model} --batches {args.batches} --batch-size "
+             f"{args.batch_size} --microbatches {args.microbatches} --rounds {args.rounds}` ({wall:.0f} s). Step "
+             "time: the slowest rank's `pipe.step`; plan path: rank 0's time from the step's start to the plan's "
+             "delivery; ratios to the precomputed mode: of the mean step times, of the medians, and the median "
+             "(min - max) over rounds of each round's ratio of means.", "",
+             "| mode | mean step ms | median step ms | mean vs precomputed | median vs precomputed | "
+             "per-round ratio median (min - max) | rank-0 plan path ms | plan sources |",
+             "|---|---|---|---|---|---|---|---|"]
     for m, ts in step.items():
         pp = statistics.fmean(res[0]["plan_path"][m]) * 1e3
+        rr = round_ratios(m)
         lines.append(f"| {m} | {statistics.fmean(ts) * 1e3:.1f} | {statistics.median(ts) * 1e3:.1f} | "
-                     f"{statistics.fmean(ts) / base:.3f} | {pp:.1f} | {', '.join(res[0]['sources'][m])} |")
+                     f"{statistics.fmean(ts) / base:.3f} | {statistics.median(ts) / med_base:.3f} | "
+                     f"{statistics.median(rr):.3f} ({min(rr):.3f} - {max(rr):.3f}) | {pp:.1f} | "
+                     f"{', '.join(res[0]['sources'][m])} |")
     pl = res[0]["planner"]
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
