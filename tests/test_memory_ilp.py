@@ -453,3 +453,39 @@ def _assert_plan_equals_unsplit(model, c, b, n, plan, schedule):
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+def test_planning_pauses_the_garbage_collector_and_restores_it():
+    """make_plan / build_workload run with the cyclic collector paused (its generation-2 passes over a process's
+    long-lived objects were a fifth of a VLM-L plan); on return, also by an exception, it is as it was."""
+    import gc
+
+    from dipc.planner.planning import make_plan
+    from dipc.planner.workload import build_workload, gc_paused
+
+    seen = []
+
+    @gc_paused
+    def inner(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise RuntimeError("boom")
+        return 7
+
+    @gc_paused
+    def outer():
+        r = inner()
+        seen.append(gc.isenabled())  # a nested call leaves it paused for the outer one
+        return r
+
+    assert gc.isenabled()
+    assert outer() == 7 and seen == [False, False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="boom"):
+        inner(fail=True)
+    assert gc.isenabled()
+    gc.disable()
+    try:  # paused by the caller: left paused
+        assert inner() == 7 and not gc.isenabled()
+    finally:
+        gc.enable()
+    assert make_plan.__wrapped__ and build_workload.__wrapped__  # the planning entry points are wrapped

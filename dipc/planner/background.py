@@ -20,6 +20,7 @@ plan: a planner slowed on purpose) and ``DIPC_PLANNER_FAIL`` (non-empty: each pl
 """
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp  # Pipe only: framed bytes, no pickle
 import os
@@ -93,6 +94,10 @@ def _serve(conn, compiled, options: dict) -> None:
     code = 0
     try:
         torch.set_num_threads(1)  # as DataLoader workers do: the parent's thread pool is not the child's
+        # what the fork inherited (the compiled pipeline, its captures) outlives every plan: out of the collector's
+        # reach, a generation-2 collection here passes over the plans' own objects only (and touches no inherited
+        # page, which copy-on-write would then copy)
+        gc.freeze()
         # a new capture (torch.export, seconds) is the training process's to make: it needs it to run the step
         # anyway; the planner says so at once and is forked again, with the capture, for the next batch
         compiled.allow_capture = False

@@ -15,7 +15,7 @@ from .memory import apply_option, copy_strategies, fit_order, optimize_memory
 from ..schedule import (Edge, StageGraph, copy_stage, fit_by_recompute, list_schedule, lower, order_peaks,
                         timed_schedule)
 
-from .workload import StepWorkload, memory_options, rebuild_need, group_rebuild_need, _input_bytes
+from .workload import StepWorkload, gc_paused, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
 
 # ---------------------------------------------------------------------------------------------------- planning
@@ -66,6 +66,7 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
     return out
 
 
+@gc_paused
 def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True,
               memory_limit: float | None = None, schedule: str = "dip", optimizer_states: int = 2,
               budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None,
