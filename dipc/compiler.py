@@ -542,8 +542,9 @@ class CompiledPipeline:
                 why.append(f"the model fixes {', '.join(dims)} when traced (e.g. with list(tensor))")
             if keys:
                 why.append(f"a microbatch {' and '.join(keys)} (e.g. text-only) runs another graph")
+            # stacklevel: past this, build_workload and its gc_paused wrapper, to build_workload's caller
             warnings.warn(f"dipc: {'; '.join(why)}: dipc captures the model once per distinct value or key set "
-                          "(about one torch.export each, 2-20 s) and caches it", stacklevel=3)
+                          "(about one torch.export each, 2-20 s) and caches it", stacklevel=4)
         cap = self._capture(data)
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
