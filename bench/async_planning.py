@@ -1,6 +1,6 @@
 """Is planning hidden?  Step time with asynchronous planning vs a precomputed plan vs synchronous planning.
 
-    python bench/async_planning.py                 # the main job's reference VLM, 2 CPU ranks, 12 batches x 8 rounds (~50 s)
+    python bench/async_planning.py                 # the reference VLM, 2 CPU ranks, 12 batches x 8 rounds
     python bench/async_planning.py --model llava   # the main job's default model (re-captures per image count)
     python bench/async_planning.py --out docs/bench_async_planning.md
 
