@@ -232,9 +232,19 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             least_of[st.key] = least
             need[st.rank][st.mb] += least
 
+    # each rank's queued forwards also by microbatch: an admission scan walks the microbatches oldest first and
+    # stops at the first whose older microbatches' reserve alone is over the limit (reserves grow with the
+    # microbatch while every need is >= 0), not at the end of a queue that holds every microbatch's encoder forwards
+    by_mb: list[dict[int, list]] = [{} for _ in range(n_ranks)]
+    negative = [any(v < 0 for v in need[r].values()) for r in range(n_ranks)]  # a need below 0 (rounding, or a
+    # negative size): reserves may then shrink with the microbatch, so the scans go through every microbatch
+
     def push(k):
         s = graph.stages[k]
-        heapq.heappush(queues[s.rank][s.kind], (-s.priority, s.mb, s.sub, s.chunk, k))
+        e = (-s.priority, s.mb, s.sub, s.chunk, k)
+        heapq.heappush(queues[s.rank][s.kind], e)
+        if s.kind == "F":
+            by_mb[s.rank].setdefault(s.mb, []).append(e)
 
     reserves: dict[tuple[int, int], float] = {}  # (rank, mb) -> bytes older microbatches still need there
 
@@ -261,12 +271,17 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
     def recompute_to_fit(r: int) -> bool:
         """Rank r has nothing it may run: rather than wait for a backward to free memory, recompute its oldest
         queued forward that then fits."""
-        for e in sorted(queues[r]["F"], key=lambda e: (e[1], e)):
-            st = graph.stages[e[-1]]
-            kept, extra, how, rebuild = recompute_option(recompute_cost, st)
-            if kept < st.activation_bytes and live[r] + kept + reserve_of(r, st.mb) <= limits[r]:
-                switch_to_recompute(graph, st, kept, extra, how, rebuild)
-                return True
+        lim, lv = limits[r], live[r]
+        for m in sorted(by_mb[r]):
+            res = reserve_of(r, m)
+            if lv + res > lim and not negative[r]:  # then no forward of this or a younger microbatch fits
+                break
+            for e in sorted(by_mb[r][m]):
+                st = graph.stages[e[-1]]
+                kept, extra, how, rebuild = recompute_option(recompute_cost, st)
+                if kept < st.activation_bytes and lv + kept + res <= lim:
+                    switch_to_recompute(graph, st, kept, extra, how, rebuild)
+                    return True
         return False
 
     for k, n in remaining.items():
@@ -285,7 +300,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             if recompute_cost is not None and limits[r] is not None and queues[r]["F"]:
                 # the oldest queued forward does not fit: recompute it rather than run younger work past it (the
                 # reserve already counted it at its recomputed bytes)
-                oldest = min(queues[r]["F"], key=lambda e: (e[1], e))
+                oldest = min(by_mb[r][min(by_mb[r])])
                 if not admissible(r, oldest):
                     again = recompute_to_fit(r)  # it changed a stage: look at this rank again next time
             if limits[r] is None:  # only the window holds forwards back (a queued entry's [1] is its microbatch)
@@ -295,11 +310,15 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             else:  # admissible() inlined (a third of a VLM-L / 64-microbatch admission schedule): backwards always
                 lim, lv, a_f = limits[r], live[r], []
                 thr = first_open[r] + window if window is not None else None
-                for e in queues[r]["F"]:
-                    if thr is not None and e[1] >= thr:
-                        continue
-                    if lv + stages[e[-1]].activation_bytes + reserve_of(r, e[1]) <= lim:
-                        a_f.append(e)
+                for m in sorted(by_mb[r]):
+                    if thr is not None and m >= thr:
+                        break
+                    res = reserve_of(r, m)
+                    if lv + res > lim and not negative[r]:  # nor can any younger microbatch's forward
+                        break
+                    for e in by_mb[r][m]:
+                        if lv + stages[e[-1]].activation_bytes + res <= lim:
+                            a_f.append(e)
                 adm = adm_of[r] = {"F": a_f, "B": list(queues[r]["B"])}
             earliest[r] = min((t_start[e[-1]] for kd in ("F", "B") for e in adm[kd]), default=None)
             if not again:
@@ -332,7 +351,13 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
         heapq.heapify(queues[r][s.kind])
         dirty.add(r)
         if s.kind == "F":
+            bucket = by_mb[r][s.mb]
+            bucket.remove(pick)
+            if not bucket:
+                del by_mb[r][s.mb]
             need[r][s.mb] -= least_of[k]
+            if need[r][s.mb] < 0:
+                negative[r] = True
             for key in [key for key in reserves if key[0] == r]:
                 del reserves[key]
         open_stages[s.mb] -= 1
