@@ -20,7 +20,7 @@ from ..schedule import StageGraph, copy_stage, list_schedule, timed_schedule
 from .mcts import SearchResult, mcts
 from .memory import fit_order, optimize_memory
 
-__all__ = ["search_priorities", "groups_of"]
+__all__ = ["search_priorities", "score_permutation", "groups_of"]
 
 
 def groups_of(graph: StageGraph) -> list[tuple[int, str]]:
@@ -40,8 +40,33 @@ def _copy(graph: StageGraph, priority: dict) -> StageGraph:
     return StageGraph(stages=stages, edges=graph.edges)
 
 
+def score_permutation(graph: StageGraph, perm, P: int, comm, limits, recompute_cost, *, ilp: bool = True,
+                      window: int | None = None):
+    """One rollout on stage objects: ``perm`` (the groups, highest priority first) scheduled as
+    :func:`search_priorities` describes.  Returns ``(iteration seconds, schedule, stage graph)``, or ``(inf, None,
+    None)`` when it cannot fit (:class:`dipc.plan.PlanError`).  The array rollouts
+    (:class:`dipc.planner.rollout.Rollouts`) give the same seconds; this builds the schedule too."""
+    n = len(perm)
+    limited = limits is not None and any(x is not None for x in limits)
+    g = _copy(graph, {grp: float(n - i) for i, grp in enumerate(perm)})
+    try:
+        if not limited:
+            sched = list_schedule(g, P, comm_time=comm)
+        elif window is not None:
+            order = list_schedule(g, P, comm_time=comm, window=window).order
+            fit_order(g, order, limits, recompute_cost, graph, ilp=ilp)
+            sched = timed_schedule(g, order, comm_time=comm)
+        else:
+            sched = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
+            if ilp and optimize_memory(g, sched.order, limits)["solved"]:
+                sched = timed_schedule(g, sched.order, comm_time=comm)
+    except PlanError:
+        return math.inf, None, None
+    return sched.iteration_time, sched, g
+
+
 def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, budget_s: float, seed: int = 0, *,
-                      ilp: bool = True, window: int | None = None, **mcts_options):
+                      ilp: bool = True, window: int | None = None, arrays: bool = True, **mcts_options):
     """MCTS over the group priorities of ``graph`` (its stages at their "keep" strategy) for ``budget_s`` seconds.
 
     Args:
@@ -58,6 +83,10 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
             memory-aware admission.  At VLM-M / 16 microbatches the admission is the interleaver's slowest
             candidate (9.64 s against 8.32 s), so a search in it found nothing; in the window family a 20 s search
             finds 8.17 s.
+        arrays: score rollouts on arrays (:class:`dipc.planner.rollout.Rollouts`: the same seconds, ~7x faster
+            at VLM-L / 64 microbatches) where they apply - no limit, or a limit with a window and the ILP - and
+            by :func:`score_permutation` elsewhere and for the permutations they leave to it; the best
+            permutation's schedule is always rebuilt by :func:`score_permutation`.
         mcts_options: passed to :func:`dipc.planner.mcts.mcts` (``alpha``, ``beta``, ``rollouts``,
             ``max_iterations``, ``workers``: parallel rollout processes).
 
@@ -65,32 +94,29 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
         ``((schedule, stage graph with the chosen priorities and strategies) or None if no rollout fit,
         SearchResult)``; the result has ``improved = False`` (the caller sets it when it takes the schedule).
     """
+    import numpy as np
+
     groups = groups_of(graph)
-    best: dict = {}
     limited = limits is not None and any(x is not None for x in limits)
+    fast = None
+    if arrays and (not limited or (window is not None and ilp)):
+        from .rollout import Rollouts
+
+        fast = Rollouts(graph, P, comm, limits if limited else None, window, groups)
+        where = {grp: x for x, grp in enumerate(groups)}
 
     def score(perm) -> float:
-        n = len(perm)
-        g = _copy(graph, {grp: float(n - i) for i, grp in enumerate(perm)})
-        try:
-            if not limited:
-                sched = list_schedule(g, P, comm_time=comm)
-            elif window is not None:
-                order = list_schedule(g, P, comm_time=comm, window=window).order
-                fit_order(g, order, limits, recompute_cost, graph, ilp=ilp)
-                sched = timed_schedule(g, order, comm_time=comm)
-            else:
-                sched = list_schedule(g, P, comm_time=comm, memory_limit=limits, recompute_cost=recompute_cost)
-                if ilp and optimize_memory(g, sched.order, limits)["solved"]:
-                    sched = timed_schedule(g, sched.order, comm_time=comm)
-        except PlanError:
-            return math.inf
-        if sched.iteration_time < best.get("time", math.inf):
-            best.update(time=sched.iteration_time, found=(sched, g))
-        return sched.iteration_time
+        if fast is not None:
+            pos = np.empty(len(perm), np.int64)
+            pos[[where[grp] for grp in perm]] = np.arange(len(perm))
+            t = fast.score(pos)
+            if t is not None:
+                return t
+        return score_permutation(graph, perm, P, comm, limits, recompute_cost, ilp=ilp, window=window)[0]
 
     res: SearchResult = mcts(groups, score, budget_s=budget_s, seed=seed, start=groups, **mcts_options)
-    if mcts_options.get("workers", 1) > 1 and math.isfinite(res.time):
-        best.clear()  # the workers' schedules stayed in them: the best permutation's again, here
-        score(res.order)
-    return best.get("found"), res
+    if not math.isfinite(res.time):
+        return None, res
+    # the best permutation's schedule and strategies (the scores kept only its seconds)
+    t, sched, g = score_permutation(graph, res.order, P, comm, limits, recompute_cost, ilp=ilp, window=window)
+    return (sched, g) if sched is not None else None, res
