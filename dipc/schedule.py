@@ -390,164 +390,140 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
 
 _GENERAL = False  # tests set it to run the general loop without a limit, against _list_schedule_unlimited
 
-_INDEX: dict[int, tuple] = {}  # id(edges) -> (edges, len(edges), stage keys, ranks, predecessor counts, delays)
+_ARRAYS: dict[int, tuple] = {}  # id(edges) -> (edges, len(edges), stage keys, ranks, {id(comm_time): GraphArrays})
 
 
 def _no_comm(e: Edge) -> float:
     return 0.0
 
 
-def _indexed(graph: StageGraph, comm_time) -> tuple[list[str], list[list[tuple[int, float]]], list[int]]:
-    """The stages of ``graph`` numbered in its order: their keys, each one's successors ``(index, seconds from
-    its end to the successor's earliest start)`` (``comm_time`` of an edge between ranks, else 0) and its
-    predecessor count; built once per edge list, stage layout and ``comm_time`` (a search's copies of a step's
-    graph share all three; 9 ms of each VLM-L / 64-microbatch list schedule)."""
+@dataclasses.dataclass
+class GraphArrays:
+    """A stage graph numbered for the planner's kernels (:mod:`dipc.planner.kernels`): stage ``i`` is the
+    ``i``-th of ``graph.stages``.
+
+    Attributes:
+        keys, at: the stage keys, and key -> index.
+        rank, mb, is_b: each stage's rank, microbatch and kind (int64, int64, bool arrays ``[n]``).
+        tie: each stage's position among all in ``(mb, sub, chunk, key)`` order, the list scheduler's tie-break
+            after the priority; ``by_tie``: the stage at each position.
+        succ_ptr, succ_idx, succ_delay: each stage's successors in CSR form, with the seconds from its end to
+            their earliest start (``comm_time`` of an edge between ranks, else 0); ``pred_*`` the same for its
+            predecessors; ``n_pred`` their counts.
+    """
+
+    keys: list
+    at: dict
+    rank: "np.ndarray"
+    mb: "np.ndarray"
+    is_b: "np.ndarray"
+    tie: "np.ndarray"
+    by_tie: "np.ndarray"
+    succ_ptr: "np.ndarray"
+    succ_idx: "np.ndarray"
+    succ_delay: "np.ndarray"
+    pred_ptr: "np.ndarray"
+    pred_idx: "np.ndarray"
+    pred_delay: "np.ndarray"
+    n_pred: "np.ndarray"
+
+    def priority_keys(self, priority) -> "np.ndarray":
+        """Per stage, its priority tuple ``(-priority, mb, sub, chunk, key)`` as one int64 that orders alike
+        (``priority``: per stage, larger first); ``key % n`` is the stage's :attr:`tie`."""
+        import numpy as np
+
+        _, rank_of = np.unique(-np.asarray(priority, np.float64), return_inverse=True)
+        return rank_of.astype(np.int64).reshape(-1) * len(self.keys) + self.tie
+
+
+def graph_arrays(graph: StageGraph, comm_time=None) -> GraphArrays:
+    """``graph`` numbered in its order (:class:`GraphArrays`), built once per edge list, stage layout and
+    ``comm_time`` (a search's copies of a step's graph share all three; building it is ~10 ms at VLM-L / 64
+    microbatches)."""
+    import numpy as np
+
+    comm_time = comm_time or _no_comm
     keys = list(graph.stages)
     ranks = [st.rank for st in graph.stages.values()]
-    hit = _INDEX.get(id(graph.edges))
+    hit = _ARRAYS.get(id(graph.edges))
     if not (hit is not None and hit[0] is graph.edges and hit[1] == len(graph.edges) and hit[2] == keys
             and hit[3] == ranks):
-        at = {k: i for i, k in enumerate(keys)}
-        n_pred = [0] * len(keys)
-        for e in graph.edges:
-            n_pred[at[e.dst]] += 1
-        if len(_INDEX) >= 16:
-            _INDEX.pop(next(iter(_INDEX)))
-        hit = _INDEX[id(graph.edges)] = (graph.edges, len(graph.edges), keys, ranks, n_pred, {}, at)
-    delays = hit[5]
-    got = delays.get(id(comm_time))
-    if got is None or got[0] is not comm_time:  # the entry holds comm_time itself: its id is not reused
-        at = hit[6]
-        succ: list[list[tuple[int, float]]] = [[] for _ in keys]
-        pred: list[list[tuple[int, float]]] = [[] for _ in keys]
-        for e in graph.edges:
-            s, d = at[e.src], at[e.dst]
-            delay = comm_time(e) if ranks[s] != ranks[d] else 0.0
-            succ[s].append((d, delay))
-            pred[d].append((s, delay))
-        if len(delays) >= 4:
-            delays.pop(next(iter(delays)))
-        got = delays[id(comm_time)] = (comm_time, succ, pred)
-    return hit[2], got[1], hit[4]
+        if len(_ARRAYS) >= 16:
+            _ARRAYS.pop(next(iter(_ARRAYS)))
+        hit = _ARRAYS[id(graph.edges)] = (graph.edges, len(graph.edges), keys, ranks, {})
+    by_comm = hit[4]
+    got = by_comm.get(id(comm_time))
+    if got is not None and got[0] is comm_time:  # the entry holds comm_time itself: its id is not reused
+        return got[1]
+    n = len(keys)
+    at = {k: i for i, k in enumerate(keys)}
+    stages = list(graph.stages.values())
+    src = np.fromiter((at[e.src] for e in graph.edges), np.int64, len(graph.edges))
+    dst = np.fromiter((at[e.dst] for e in graph.edges), np.int64, len(graph.edges))
+    rank = np.asarray(ranks, np.int64).reshape(-1)
+    delay = np.fromiter((comm_time(e) if ranks[s] != ranks[d] else 0.0
+                         for e, s, d in zip(graph.edges, src.tolist(), dst.tolist())), np.float64, len(src))
 
+    def csr(a, b):  # the edges grouped by a, in edge order within a group
+        o = np.argsort(a, kind="stable")
+        ptr = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(a, minlength=n), out=ptr[1:])
+        return ptr, b[o], delay[o]
 
-def _indexed_preds(graph: StageGraph, comm_time) -> tuple[dict[str, int], list[list[tuple[int, float]]]]:
-    """:func:`_indexed`'s numbering as ``key -> index`` and each stage's predecessors ``(index, seconds)``."""
-    _indexed(graph, comm_time)
-    hit = _INDEX[id(graph.edges)]
-    return hit[6], hit[5][id(comm_time)][2]
+    by_tie = sorted(range(n), key=lambda i: (stages[i].mb, stages[i].sub, stages[i].chunk, keys[i]))
+    tie = np.empty(n, np.int64)
+    tie[by_tie] = np.arange(n)
+    sp, si, sd = csr(src, dst)
+    pp, pi, pd = csr(dst, src)
+    arrays = GraphArrays(keys=keys, at=at, rank=rank, mb=np.asarray([st.mb for st in stages], np.int64).reshape(-1),
+                         is_b=np.asarray([st.kind == "B" for st in stages], np.bool_).reshape(-1), tie=tie,
+                         by_tie=np.asarray(by_tie, np.int64).reshape(-1), succ_ptr=sp, succ_idx=si, succ_delay=sd,
+                         pred_ptr=pp, pred_idx=pi, pred_delay=pd, n_pred=np.diff(pp))
+    if len(by_comm) >= 4:
+        by_comm.pop(next(iter(by_comm)))
+    by_comm[id(comm_time)] = (comm_time, arrays)
+    return arrays
 
 
 def _list_schedule_unlimited(graph: StageGraph, n_ranks: int, comm_time, window) -> Schedule:
-    """:func:`list_schedule` without a memory limit (its window, if any, the only admission rule), on heaps:
-    the same schedule as the general loop (tests check it), at a third of its time (the search's rollouts run
-    one per permutation: 94 -> ~30 ms at VLM-L / 64 microbatches).
+    """:func:`list_schedule` without a memory limit (its window, if any, the only admission rule), by
+    :func:`dipc.planner.kernels.list_kernel` on :func:`graph_arrays`: the same schedule as the general loop
+    (tests check it), ~20x faster than it was in Python (the search's rollouts and the interleaver's window
+    candidates run one per order).
 
     Per rank and kind, ready stages (``t_start <= t_last``) wait in a heap by priority, the others in a heap by
     ``(t_start, priority)``; a heap of every admissible stage's ``t_start`` (stale entries skipped) gives the rank
     its earliest start; forwards beyond the window wait in a heap by microbatch until the rank's oldest open
     microbatch moves up."""
+    import numpy as np
+
     from .plan import PlanError
+    from .planner.kernels import list_kernel
 
-    keys, succ, n_pred = _indexed(graph, comm_time)
-    stages = [graph.stages[k] for k in keys]
-    n = len(keys)
-    rank = [st.rank for st in stages]
-    is_b = [st.kind == "B" for st in stages]
-    mbs = [st.mb for st in stages]
-    prio = [(-st.priority, st.mb, st.sub, st.chunk, k) for st, k in zip(stages, keys)]
-    remaining = list(n_pred)
-    t_start = [0.0] * n
-    t_last = [0.0] * n_ranks
-    last_b = [True] * n_ranks
-    ready = [([], []) for _ in range(n_ranks)]  # per rank, (forwards, backwards): heaps of (priority, i)
-    later = [([], []) for _ in range(n_ranks)]  # ... of (t_start, priority, i)
-    starts = [[] for _ in range(n_ranks)]  # heaps of (t_start, i), stale once i ran
-    held = [[] for _ in range(n_ranks)]  # forwards beyond the window: heaps of (mb, i)
-    ran = bytearray(n)
-    left_on = [defaultdict(int) for _ in range(n_ranks)]
-    for i in range(n):
-        left_on[rank[i]][mbs[i]] += 1
-    first_open = [min(d, default=0) for d in left_on]
-    heappush, heappop = heapq.heappush, heapq.heappop
+    A = graph_arrays(graph, comm_time)
+    stages = graph.stages.values()
+    n = len(A.keys)
+    if n and (A.rank.min() < 0 or A.rank.max() >= n_ranks):
+        raise ValueError(f"stage ranks must be in [0, {n_ranks}), got {sorted(set(A.rank.tolist()))[:8]}")
+    mb0 = int(A.mb.min()) if n else 0  # microbatch numbers from 0 (the window counts differences only)
+    lat = np.fromiter((st.latency for st in stages), np.float64, n)
+    status, order, olen, start, end, seq = list_kernel(
+        n_ranks, A.rank, A.is_b, A.mb - mb0, A.priority_keys([st.priority for st in stages]), A.by_tie,
+        A.succ_ptr, A.succ_idx, A.succ_delay, A.n_pred, lat, -1 if window is None else window,
+        int(A.mb.max()) - mb0 + 1 if n else 1)
+    keys = A.keys
+    if status == 1:
+        raise PlanError(f"the window of {window} microbatches deadlocks: every rank's queued forwards are beyond "
+                        "it and nothing else is ready")
+    if status == 2:
+        done = {i for r in range(n_ranks) for i in order[r, :olen[r]].tolist()}
+        raise ValueError("the stage graph has a cycle: "
+                         f"{[keys[i] for i in range(n) if i not in done][:5]} never become ready")
+    sl, el = start.tolist(), end.tolist()
+    seq_l = seq.tolist()
+    return Schedule(order=[[keys[i] for i in order[r, :olen[r]].tolist()] for r in range(n_ranks)],
+                    start={keys[i]: sl[i] for i in seq_l}, end={keys[i]: el[i] for i in seq_l})
 
-    inf = float("inf")
-    earliest = [inf] * n_ranks  # each rank's least admissible t_start (inf: none)
-
-    def admit(i: int) -> None:
-        r, b = rank[i], is_b[i]
-        heappush(starts[r], (t_start[i], i))
-        if t_start[i] < earliest[r]:
-            earliest[r] = t_start[i]
-        if t_start[i] <= t_last[r]:
-            heappush(ready[r][b], (prio[i], i))
-        else:
-            heappush(later[r][b], (t_start[i], prio[i], i))
-
-    def push(i: int) -> None:
-        if window is not None and not is_b[i] and mbs[i] >= first_open[rank[i]] + window:
-            heappush(held[rank[i]], (mbs[i], i))
-        else:
-            admit(i)
-
-    for i in range(n):
-        if remaining[i] == 0:
-            push(i)
-    order: list[list[str]] = [[] for _ in range(n_ranks)]
-    start, end = {}, {}
-    for _ in range(n):
-        best = min(earliest)  # the rank whose admissible stages have the earliest t_start (the lowest on ties)
-        r = earliest.index(best) if best < inf else -1
-        if r < 0:
-            if any(held):
-                raise PlanError(f"the window of {window} microbatches deadlocks: every rank's queued forwards are "
-                                "beyond it and nothing else is ready")
-            raise ValueError("the stage graph has a cycle: "
-                             f"{[keys[i] for i in range(n) if remaining[i] > 0][:5]} never become ready")
-        tl = t_last[r]
-        rd, lt = ready[r], later[r]
-        for b in (0, 1):  # what became ready by t_last
-            w = lt[b]
-            while w and w[0][0] <= tl:
-                _, p, i = heappop(w)
-                heappush(rd[b], (p, i))
-        if rd[0] and rd[1]:  # both kinds ready: alternate with the rank's last stage (1F1B)
-            i = heappop(rd[0 if last_b[r] else 1])[1]
-        elif rd[0] or rd[1]:  # the highest priority
-            i = heappop(rd[0] or rd[1])[1]
-        else:  # nothing ready: the earliest start, then the highest priority
-            w0, w1 = lt
-            i = heappop(w0 if w0 and (not w1 or w0[0] < w1[0]) else w1)[2]
-        ran[i] = 1
-        h = starts[r]
-        while h and ran[h[0][1]]:
-            heappop(h)
-        earliest[r] = h[0][0] if h else inf
-        k, st = keys[i], stages[i]
-        m = mbs[i]
-        lo = left_on[r]
-        lo[m] -= 1
-        if not lo[m]:
-            del lo[m]
-            if m == first_open[r]:
-                first_open[r] = min(lo, default=first_open[r] + 1)
-                hq = held[r]
-                while hq and hq[0][0] < first_open[r] + window:
-                    admit(heappop(hq)[1])
-        t = tl if tl > t_start[i] else t_start[i]
-        e_t = t + st.latency
-        start[k], end[k] = t, e_t
-        t_last[r] = e_t
-        last_b[r] = is_b[i]
-        order[r].append(k)
-        for d, delay in succ[i]:
-            arrive = e_t + delay
-            if arrive > t_start[d]:
-                t_start[d] = arrive
-            remaining[d] -= 1
-            if remaining[d] == 0:
-                push(d)
-    return Schedule(order=order, start=start, end=end)
 
 
 def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recompute_cost, error) -> int:
@@ -711,10 +687,13 @@ def timed_schedule(graph: StageGraph, order: Sequence[Sequence[str]], *,
         dipc.plan.PlanError: the order is not a permutation of the graph's stages on their ranks, or it deadlocks
             (names each rank's waiting stage and what it waits for).
     """
-    from .plan import PlanError
+    import numpy as np
 
-    comm_time = comm_time or _no_comm
-    at, pred = _indexed_preds(graph, comm_time)
+    from .plan import PlanError
+    from .planner.kernels import time_kernel
+
+    A = graph_arrays(graph, comm_time)
+    at = A.at
     n = len(at)
     try:
         ids = [[at[k] for k in ks] for ks in order]
@@ -734,47 +713,25 @@ def timed_schedule(graph: StageGraph, order: Sequence[Sequence[str]], *,
         wrong = [order[r][p] for p, i in enumerate(ii) if stages[i].rank != r]
         if wrong:
             raise PlanError(f"rank {r}'s order holds stages of other ranks: {wrong[:5]}")
-    lat = [st.latency for st in stages]
-    done = bytearray(n)
-    fin, beg, seq = [0.0] * n, [0.0] * n, []
-    pos = [0] * len(order)
-    t_last = [0.0] * len(order)
-    left = n
-    while left:
-        moved = False
-        for r, ii in enumerate(ids):
-            p, t_r = pos[r], t_last[r]
-            while p < len(ii):
-                i = ii[p]
-                t = t_r
-                for j, delay in pred[i]:
-                    if not done[j]:
-                        break
-                    x = fin[j] + delay
-                    if x > t:
-                        t = x
-                else:
-                    beg[i] = t
-                    fin[i] = t_r = t + lat[i]
-                    done[i] = 1
-                    seq.append(i)
-                    p += 1
-                    continue
-                break
-            if p != pos[r]:
-                left -= p - pos[r]
-                pos[r], t_last[r] = p, t_r
-                moved = True
-        if not moved:
-            preds = graph.preds()
-            keys = list(graph.stages)
-            end_k = {keys[i] for i in range(n) if done[i]}
-            waits = {r: (ks[pos[r]], [e.src for e in preds[ks[pos[r]]] if e.src not in end_k][:3])
-                     for r, ks in enumerate(order) if pos[r] < len(ks)}
-            raise PlanError(f"the order deadlocks: each rank's next stage and what it waits for: {waits}")
-    keys = list(graph.stages)
-    start = {keys[i]: beg[i] for i in seq}  # in the order the stages were timed
-    end = {keys[i]: fin[i] for i in seq}
+    olen = np.asarray([len(ii) for ii in ids], np.int64).reshape(-1)
+    flat_ids = np.full((len(ids), max(olen.max(initial=0), 1)), -1, np.int64)
+    for r, ii in enumerate(ids):
+        flat_ids[r, :len(ii)] = ii
+    lat = np.fromiter((st.latency for st in stages), np.float64, n)
+    status, beg, fin, seq = time_kernel(flat_ids, olen, A.pred_ptr, A.pred_idx, A.pred_delay, lat)
+    keys = A.keys
+    if status:
+        end_k = {keys[i] for i in seq.tolist()}
+        preds = graph.preds()
+        waits = {}
+        for r, ks in enumerate(order):
+            p = next((p for p, k in enumerate(ks) if k not in end_k), None)
+            if p is not None:
+                waits[r] = (ks[p], [e.src for e in preds[ks[p]] if e.src not in end_k][:3])
+        raise PlanError(f"the order deadlocks: each rank's next stage and what it waits for: {waits}")
+    bl, fl, seq_l = beg.tolist(), fin.tolist(), seq.tolist()
+    start = {keys[i]: bl[i] for i in seq_l}  # in the order the stages were timed
+    end = {keys[i]: fl[i] for i in seq_l}
     return Schedule(order=[list(ks) for ks in order], start=start, end=end)
 
 

@@ -14,7 +14,7 @@ forward-backward stage pair, chosen by a small ILP per pipeline rank.
   at most the rank's activation budget: ``sum mem[i, j] * o[i, j] <= M``.  The memory is counted on the rank's
   order, as :func:`dipc.schedule.order_peaks` and the simulator count it, so the chosen strategies fit whatever
   the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved by
-  HiGHS: its LP relaxation (in incremental form over each pair's lower hull, :func:`_relax`) rounded and greedily
+  HiGHS: its LP relaxation (in incremental form over each pair's lower hull, :meth:`CandidateTable.relax`) rounded and greedily
   improved, and ``scipy.optimize.milp``'s branch and bound only when that is not within the 5% relative gap of
   the relaxation's bound (:func:`_solve_pairs`), under a time limit.  scipy gives HiGHS no starting
   solution, so the greedy warm start of the paper is the fallback instead: a rank the solver leaves without a
@@ -35,6 +35,7 @@ import numpy as np
 
 from ..plan import PlanError
 from ..schedule import StageGraph, fit_by_recompute, relax_recompute
+from .kernels import hull_steps, rank_rows, relax_inputs, round_up
 
 __all__ = ["prune_options", "optimize_memory", "apply_option", "fit_order", "S_DEFAULT"]
 
@@ -101,7 +102,7 @@ class _Candidates:
         self.least, self.most = float(self.mem.min()), float(self.mem.max())
         self.fastest = min(range(len(opts)), key=lambda j: (opts[j][2], -opts[j][1]))
         # the lower hull from its fastest point to its least memory, and the segments between neighbours: the
-        # seconds each step adds and the bytes it saves (the incremental form of the relaxation, _relax)
+        # seconds each step adds and the bytes it saves (the incremental form of the relaxation, CandidateTable.relax)
         self.path = _lower_hull(tuple((o[1], o[2]) for o in opts))[::-1]
         p = np.asarray(self.path, dtype=np.int64)
         self.seg_cost, self.seg_save = np.diff(self.extra[p]), -np.diff(self.mem[p])
@@ -187,7 +188,6 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         M = limits[r] if r < len(limits) else None
         if M is None or not ks:
             continue
-        pos = {k: i for i, k in enumerate(ks)}
         pairs = [k for k in ks if k[0] == "F"]  # a stage's key starts with its kind (dipc.plan.stage_key)
         if not pairs:
             continue
@@ -220,38 +220,26 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                 j_of = {x[0]: j for j, x in enumerate(t.opts)}
                 sel.append(np.asarray([j_of[n] for n in names[c]], dtype=np.int64))
                 var_l.append(base_of[c] + np.arange(len(names[c])))
-            least_p = np.asarray([t.mem[j].min() for t, j in zip(tabs, sel)])
-            most_p = np.asarray([t.mem[j].max() for t, j in zip(tabs, sel)])
+            least_p = np.asarray([t.mem[j].min() for t, j in zip(tabs, sel)], np.float64)
+            most_p = np.asarray([t.mem[j].max() for t, j in zip(tabs, sel)], np.float64)
         else:
             least_p = np.fromiter((t.least for t in tabs), np.float64, len(tabs))
             most_p = np.fromiter((t.most for t in tabs), np.float64, len(tabs))
-        # peak rows: forwards followed by a backward (or last); pair i is live at row positions lo_i <= p < hi_i
-        rows = [p for p, k in enumerate(ks) if k[0] == "F" and (p + 1 == len(ks) or ks[p + 1][0] == "B")]
-        rows_a = np.asarray(rows, dtype=np.int64)
-        lo = np.fromiter((pos[k] for k in pairs), np.int64, len(pairs))
-        hi = np.fromiter((pos[k] for k in bkeys), np.int64, len(pairs))
-        ra = np.searchsorted(rows_a, lo, side="left")
-        rb = np.searchsorted(rows_a, hi, side="left")
-
-        def levels(per_pair):
-            d = np.zeros(len(rows) + 1)
-            np.add.at(d, ra, per_pair)
-            np.add.at(d, rb, -per_pair)
-            return np.cumsum(d)[:-1]
-
-        least, most = levels(least_p), levels(most_p)
-        if len(rows) and least.max() > M * (1 + 1e-9):  # infeasible orders are refused before the solver
-            p = int(np.argmax(least))
-            raise PlanError(f"rank {r} keeps {least[p]:.4g} bytes of activations at {ks[rows[p]]} with every pair "
+        # peak rows: forwards followed by a backward (or last); each pair is live in the binding rows ra <= row < rb
+        # (the rows that hold even with every pair at its most memory cannot bind and are dropped); the order's
+        # stages numbered by their position, each backward given its forward's pair
+        at_pair = {k: i for i, k in enumerate(pairs)}
+        is_b = np.fromiter((k[0] == "B" for k in ks), np.bool_, len(ks))
+        pair_of = np.fromiter((at_pair[k] if k[0] == "F" else at_pair["F" + k[1:]] for k in ks), np.int64, len(ks))
+        status, _, ra, rb, n_rows, bad, bad_bytes = rank_rows(np.arange(len(ks)), is_b, pair_of, len(pairs),
+                                                                least_p, most_p, float(M))
+        if status:  # infeasible orders are refused before the solver
+            raise PlanError(f"rank {r} keeps {bad_bytes:.4g} bytes of activations at {ks[int(bad)]} with every pair "
                             f"live there at its least memory, over its activation budget of {M:.4g} bytes (the "
                             "memory limit less the rank's parameters, gradients and optimizer states); give the "
                             "pipeline more memory, more ranks, or smaller microbatches")
-        # a row that holds even with every pair at its most memory cannot bind: drop it; a pair live in no binding
-        # row takes its fastest candidate outright (most of a rank, usually: the solver sees only the peaks)
-        binding = most > M * (1 + 1e-9)
-        keep_row = np.flatnonzero(binding)
-        first_binding = np.concatenate([[0], np.cumsum(binding)])  # binding rows before each row index
-        ra, rb = first_binding[ra], first_binding[rb]  # the binding rows each pair is live in
+        # a pair live in no binding row takes its fastest candidate outright (most of a rank, usually: the solver
+        # sees only the peaks)
         free = rb == ra
         if uniform:  # a chunk is free only if every one of its pairs is
             busy = {graph.stages[pairs[i]].chunk for i in np.flatnonzero(~free)}
@@ -266,7 +254,6 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
             stats["pairs"] += len(pairs)
             stats["solved"].append(r)
             continue
-        n_rows = len(keep_row)
         base = sum(fwd[i].latency + bwd[i].latency - fwd[i].recompute_extra
                    for i in active.tolist())  # the pairs' "keep" seconds
         t_solve = time.perf_counter()
@@ -349,52 +336,75 @@ def _solve_uniform(tabs, sel, var_l, n_var, ra, rb, n_rows, M, gap, time_limit, 
     return js, status, bound, n_var
 
 
+class CandidateTable:
+    """Pairs' candidates (:class:`_Candidates`, pair ``p`` the ``p``-th) as the arrays of
+    :mod:`dipc.planner.kernels`: candidate ``j`` of pair ``p`` at ``c_ptr[p] + j`` of ``c_mem`` (bytes) and
+    ``c_extra`` (seconds); ``bs_order[c_ptr[p]:c_ptr[p + 1]]`` its candidates fastest first; ``fastest[p]``,
+    ``least[p]``, ``most[p]``; its lower hull ``path[path_ptr[p]:...]`` from the fastest point and the hull's
+    segments ``seg_cost`` / ``seg_save`` from ``seg_ptr[p]``."""
+
+    def __init__(self, tabs: Sequence[_Candidates]):
+        def ptr(lengths):
+            out = np.zeros(len(tabs) + 1, np.int64)
+            np.cumsum(np.fromiter(lengths, np.int64, len(tabs)), out=out[1:])
+            return out
+
+        def cat(arrays):
+            return np.concatenate(arrays).astype(np.float64) if len(tabs) else np.empty(0)
+
+        self.c_ptr = ptr(len(t.opts) for t in tabs)
+        self.c_mem, self.c_extra = cat([t.mem for t in tabs]), cat([t.extra for t in tabs])
+        self.bs_order = np.fromiter((j for t in tabs for j in t.by_speed), np.int64, int(self.c_ptr[-1]))
+        self.fastest = np.fromiter((t.fastest for t in tabs), np.int64, len(tabs))
+        self.least = np.fromiter((t.least for t in tabs), np.float64, len(tabs))
+        self.most = np.fromiter((t.most for t in tabs), np.float64, len(tabs))
+        self.path_ptr = ptr(len(t.path) for t in tabs)
+        self.path = np.fromiter((j for t in tabs for j in t.path), np.int64, int(self.path_ptr[-1]))
+        self.seg_ptr = ptr(len(t.seg_cost) for t in tabs)
+        self.seg_cost, self.seg_save = cat([t.seg_cost for t in tabs]), cat([t.seg_save for t in tabs])
+
+    def relax(self, act, ra, rb, n_rows: int, M: float):
+        """The LP relaxation of pairs ``act`` (live in binding rows ``ra <= row < rb``, ``n_rows`` of them, each
+        at most ``M`` bytes) in incremental form (DIP §2.5's ILP, relaxed): each pair starts at its fastest
+        lower-hull point and moves along its hull, segment by segment, ``z`` in [0, 1] of each; a segment adds
+        ``seg_cost`` seconds and saves ``seg_save`` bytes in every row the pair is live in.  A pair's segments grow
+        in seconds per byte saved (a convex hull), so the relaxation fills them in order with no constraint saying
+        so, and the one-candidate-per-pair rows of the multiple-choice form are gone: at VLM-L / 64 microbatches
+        375 columns and the rows that bind at the fastest points, against 750 columns and 375 more rows.  Memory
+        rows are in units of ``M``; solved by HiGHS (:func:`_lp`).  Returns ``(each pair's number of hull steps
+        from its fastest point, lower bound on the extra seconds)`` or ``None`` when HiGHS finds no solution."""
+        has_lp, fast_extra, cost, col, index, value, m, b_ub, owner, save = relax_inputs(
+            act, ra, rb, n_rows, self.path_ptr, self.path, self.c_ptr, self.c_mem, self.c_extra, self.seg_ptr,
+            self.seg_cost, self.seg_save, float(M))
+        if not has_lp:
+            return np.zeros(len(act), np.int64), fast_extra
+        got = _lp(cost, (col, index, value), int(m), b_ub)
+        if got is None:
+            return None
+        z, fun = got
+        return hull_steps(len(act), z, owner, save), fast_extra + fun
+
+    def solve(self, act, ra, rb, n_rows: int, M: float, gap: float, base: float, choice) -> tuple[str, float]:
+        """One rank's ILP over pairs ``act`` (:func:`_solve_pairs`) but its branch and bound: the relaxation
+        (:meth:`relax`), each pair at the least-memory hull point its relaxed choice uses (every row then holds:
+        memory only goes down), then greedy upgrades to faster candidates, the largest saving first, where the
+        pair's rows still hold (:func:`dipc.planner.kernels.round_up`); the candidates written to ``choice[act]``.
+        Returns ``(how, lower bound on the extra seconds)``: "lp-rounded" within ``gap`` of the bound (relative to
+        the pairs' whole latency, their "keep" seconds ``base`` plus the extras), "gap" outside it (``choice``
+        holds the rounding), "none" when the relaxation has no solution."""
+        relaxed = self.relax(act, ra, rb, n_rows, M)
+        if relaxed is None:
+            return "none", float("nan")
+        steps, bound = relaxed
+        value = round_up(act, ra, rb, n_rows, steps, self.path_ptr, self.path, self.c_ptr, self.c_mem,
+                         self.c_extra, self.bs_order, float(M), choice)
+        return ("lp-rounded" if value + base <= (bound + base) * (1 + gap) + 1e-9 else "gap"), bound
+
+
 def _relax(tabs, ra, rb, n_rows, M):
-    """The LP relaxation of one rank's (non-uniform) instance in incremental form (DIP §2.5's ILP, relaxed): each
-    pair starts at its fastest lower-hull point and moves along its hull, segment by segment, ``z`` in [0, 1] of
-    each; a segment adds ``seg_cost`` seconds and saves ``seg_save`` bytes in every peak row the pair is live in
-    (rows ``ra <= row < rb``).  A pair's segments grow in seconds per byte saved (a convex hull), so the
-    relaxation fills them in order with no constraint saying so, and the one-candidate-per-pair rows of the
-    multiple-choice form are gone: at VLM-L / 64 microbatches 375 columns and the rows that bind at the fastest
-    points, against 750 columns and 375 more rows (14 -> 6 ms a rank).  Memory rows are in units of the budget
-    ``M``.  Returns ``(each pair's number of hull steps from its fastest point, lower bound on the extra seconds)``
-    or ``None`` when HiGHS finds no solution.
-    """
-    n_seg = np.fromiter((len(t.seg_cost) for t in tabs), np.int64, len(tabs))
-    fast_mem = np.fromiter((t.mem_l[t.path[0]] for t in tabs), np.float64, len(tabs))
-    fast_extra = float(sum(t.extra_l[t.path[0]] for t in tabs))
-    d = np.zeros(n_rows + 1)
-    np.add.at(d, ra, fast_mem)
-    np.add.at(d, rb, -fast_mem)
-    need = np.cumsum(d)[:-1] - M  # bytes each row must save
-    tight = need > M * 1e-9
-    if not tight.any() or not n_seg.sum():
-        return np.zeros(len(tabs), np.int64), fast_extra
-    owner = np.repeat(np.arange(len(tabs)), n_seg)
-    seg_cost = np.concatenate([t.seg_cost for t in tabs])
-    seg_save = np.concatenate([t.seg_save for t in tabs])
-    first = np.concatenate([[0], np.cumsum(tight)])  # tight rows before each row index
-    # the constraint matrix column by column (CSC) as it comes: a segment's entries are the tight rows its pair
-    # is live in, a run of row indices, ascending and distinct; none for a segment that saves nothing
-    lo_c = first[ra][owner]
-    vals = seg_save / M
-    lens = np.where(vals != 0, first[rb][owner] - lo_c, 0)
-    start = np.concatenate([[0], np.cumsum(lens)])
-    index = np.repeat(lo_c, lens) + (np.arange(int(start[-1])) - np.repeat(start[:-1], lens))
-    value = np.repeat(-vals, lens)
-    got = _lp(seg_cost, (start, index, value), int(tight.sum()), -need[tight] / M)
-    if got is None:
-        return None
-    z, fun = got
-    # the bytes each pair saves, then the segments it needs for them filled in order (ties in seconds per byte
-    # may leave a later segment used before an earlier one is full); a segment counts as used above 1e-9
-    saved = np.bincount(owner, weights=seg_save * z, minlength=len(tabs))
-    excl = np.cumsum(seg_save) - seg_save  # bytes of the segments before each one, over all pairs
-    begin = np.concatenate([[0], np.cumsum(n_seg)[:-1]])  # each pair's first segment
-    before = excl - np.repeat(np.append(excl, 0.0)[begin], n_seg)  # ... within its pair
-    used = (saved[owner] - before) > 1e-9 * seg_save
-    steps = np.bincount(owner, weights=used, minlength=len(tabs)).astype(np.int64)
-    return steps, fast_extra + fun
+    """:meth:`CandidateTable.relax` of the pairs ``tabs`` (:class:`_Candidates`)."""
+    return CandidateTable(tabs).relax(np.arange(len(tabs)), np.asarray(ra, np.int64), np.asarray(rb, np.int64),
+                                      int(n_rows), M)
 
 
 _HIGHS = threading.local()
@@ -440,7 +450,7 @@ def _lp(cost, a_ub, m, b_ub):
 
 def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
     """One rank's ILP over its active pairs (``tabs``: their :class:`_Candidates`; pair i is live in peak rows
-    ``ra[i] <= row < rb[i]``, ``n_rows`` of them, each at most ``M`` bytes): the relaxation (:func:`_relax`, a
+    ``ra[i] <= row < rb[i]``, ``n_rows`` of them, each at most ``M`` bytes): the relaxation (:meth:`CandidateTable.relax`, a
     lower bound), rounded to integers by giving each pair the least-memory hull point its relaxed choice uses
     (every row then holds: memory only goes down), then greedy upgrades to faster candidates, the largest saving
     first, where the pair's rows still hold.  Within ``gap`` of the bound it is taken (the common case), else
@@ -448,38 +458,15 @@ def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
     better of the two is kept.  The gap is relative to the pairs' whole latency, ``base`` (their "keep" seconds)
     plus the extra seconds, as in the paper.  Returns ``(each pair's candidate index or None, "lp-rounded" |
     "milp" | "none", lower bound on the extra seconds)``."""
-    relaxed = _relax(tabs, ra, rb, n_rows, M)
-    if relaxed is None:
-        return None, "none", float("nan")
-    steps, bound = relaxed
-    js = [t.path[k] for t, k in zip(tabs, steps.tolist())]
-    mem = np.fromiter((t.mem_l[j] for t, j in zip(tabs, js)), np.float64, len(tabs))
-    d = np.zeros(n_rows + 1)
-    np.add.at(d, ra, mem)
-    np.add.at(d, rb, -mem)
-    level = np.cumsum(d)[:-1].tolist()  # a list: a pair's rows are few, where numpy's per-call cost dominates
-    cap = M * (1 + 1e-9)
-    cur = np.fromiter((t.extra_l[j] for t, j in zip(tabs, js)), np.float64, len(tabs))
-    gain = cur - np.fromiter((t.extra_l[t.by_speed[0]] for t in tabs), np.float64, len(tabs))
-    ra_l, rb_l = ra.tolist(), rb.tolist()
-    for i in np.argsort(-gain, kind="stable").tolist():  # the largest saving first
-        if gain[i] <= 0:
-            break
-        t, j0 = tabs[i], js[i]
-        a, b = ra_l[i], rb_l[i]
-        room = cap - (max(level[a:b]) if b > a else 0.0) + t.mem_l[j0]
-        for j in t.by_speed:  # fastest first
-            if t.extra_l[j] >= t.extra_l[j0]:
-                break
-            if t.mem_l[j] <= room:
-                up = t.mem_l[j] - t.mem_l[j0]
-                for q in range(a, b):
-                    level[q] += up
-                js[i] = j
-                break
-    value = float(sum(t.extra_l[j] for t, j in zip(tabs, js)))
-    if value + base <= (bound + base) * (1 + gap) + 1e-9:
+    ra, rb = np.asarray(ra, np.int64), np.asarray(rb, np.int64)
+    choice = np.full(len(tabs), -1, np.int64)
+    how, bound = CandidateTable(tabs).solve(np.arange(len(tabs)), ra, rb, int(n_rows), M, gap, base, choice)
+    if how == "none":
+        return None, "none", bound
+    js = choice.tolist()
+    if how == "lp-rounded":
         return js, "lp-rounded", bound
+    value = float(sum(t.extra_l[j] for t, j in zip(tabs, js)))
     # branch and bound over every candidate: variables per (pair, candidate), most bytes first within a pair
     per = np.fromiter((len(t.opts) for t in tabs), np.int64, len(tabs))
     starts = np.concatenate([[0], np.cumsum(per)[:-1]]).astype(np.int64)
@@ -544,7 +531,7 @@ def _solve(c, cons, starts, M, gap, time_limit, base=0.0):
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     n = len(c)
-    unit = M if M > 0 else 1.0  # the memory rows in units of the budget (as _relax)
+    unit = M if M > 0 else 1.0  # the memory rows in units of the budget (as CandidateTable.relax)
     lp_cons = [LinearConstraint(k.A / (unit if i else 1.0), k.lb, k.ub / (unit if i else 1.0))
                for i, k in enumerate(cons)]
     lp = None

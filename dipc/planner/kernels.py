@@ -1,0 +1,452 @@
+"""The planner's inner loops on arrays, compiled with numba (DIP §2.3-2.5: the interleaver, the per-rank memory
+ILP's rows and rounding, the timing of a fixed order).
+
+A step's stages are numbered once (:func:`dipc.schedule.graph_arrays`); these kernels then run on integer and
+float arrays.  :func:`dipc.schedule.list_schedule` (without a memory limit), :func:`dipc.schedule.timed_schedule`
+and :func:`dipc.planner.memory.optimize_memory` call them on stage objects; :class:`dipc.planner.rollout.Rollouts`
+calls them straight from a permutation of the search's groups.  Each does its float operations in the order the
+Python loops they replaced did, so schedules, strategies and times are those loops' to the last bit.
+
+Compiled on first use and cached on disk (numba's ``cache=True``, beside this file or in numba's user cache): ~10
+s once per machine, ~0.5 s to load in a new process.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+__all__ = ["list_kernel", "time_kernel", "rank_rows", "relax_inputs", "hull_steps", "round_up"]
+
+_INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------- binary heaps
+# heap h holds size[h] entries (k1[h, :], k2[h, :]), ordered by (k1, k2)
+
+
+@njit(cache=True)
+def _less(a1, a2, b1, b2):
+    return a1 < b1 or (a1 == b1 and a2 < b2)
+
+
+@njit(cache=True)
+def _hpush(k1, k2, size, h, a, b):
+    j = size[h]
+    size[h] = j + 1
+    while j > 0:
+        p = (j - 1) >> 1
+        if _less(a, b, k1[h, p], k2[h, p]):
+            k1[h, j] = k1[h, p]
+            k2[h, j] = k2[h, p]
+            j = p
+        else:
+            break
+    k1[h, j] = a
+    k2[h, j] = b
+
+
+@njit(cache=True)
+def _hpop(k1, k2, size, h):
+    a, b = k1[h, 0], k2[h, 0]
+    n = size[h] - 1
+    size[h] = n
+    if n > 0:
+        x1, x2 = k1[h, n], k2[h, n]
+        j = 0
+        while True:
+            c = 2 * j + 1
+            if c >= n:
+                break
+            if c + 1 < n and _less(k1[h, c + 1], k2[h, c + 1], k1[h, c], k2[h, c]):
+                c += 1
+            if _less(k1[h, c], k2[h, c], x1, x2):
+                k1[h, j] = k1[h, c]
+                k2[h, j] = k2[h, c]
+                j = c
+            else:
+                break
+        k1[h, j] = x1
+        k2[h, j] = x2
+    return a, b
+
+
+# ------------------------------------------------------------------------------------------- list schedule
+@njit(cache=True)
+def _admit(i, r, b, t_start, t_last, earliest, pkey, k1, k2, size, P):
+    _hpush(k1, k2, size, 4 * P + r, t_start[i], i)  # starts: (t_start, i), stale once i ran
+    if t_start[i] < earliest[r]:
+        earliest[r] = t_start[i]
+    if t_start[i] <= t_last[r]:
+        _hpush(k1, k2, size, 2 * r + b, 0.0, pkey[i])  # ready: by priority
+    else:
+        _hpush(k1, k2, size, 2 * P + 2 * r + b, t_start[i], pkey[i])  # later: by (t_start, priority)
+
+
+@njit(cache=True)
+def list_kernel(P, rank, is_b, mbs, pkey, stage_of_key, succ_ptr, succ_idx, succ_delay, n_pred, lat, window,
+                n_mb):
+    """:func:`dipc.schedule._list_schedule_unlimited` on arrays (one entry per stage ``i``; ``pkey[i]``: its
+    priority as one int, smaller first, ``stage_of_key[pkey[i] % n] == i``; successors of ``i`` at
+    ``succ_idx[succ_ptr[i]:succ_ptr[i + 1]]`` with the seconds from ``i``'s end to their earliest start;
+    ``window`` < 0: none).  Returns ``(status, order [P, max stages per rank], per-rank lengths, start, end, the
+    stages in the order they were scheduled)``, status 0, or 1 (the window deadlocks), or 2 (a cycle)."""
+    n = rank.shape[0]
+    cap = 1
+    per = np.zeros(P, np.int64)
+    for i in range(n):
+        per[rank[i]] += 1
+    for r in range(P):
+        cap = max(cap, per[r])
+    H = 6 * P  # ready (2P), later (2P), starts (P), held (P)
+    k1 = np.empty((H, cap), np.float64)
+    k2 = np.empty((H, cap), np.int64)
+    size = np.zeros(H, np.int64)
+    remaining = n_pred.copy()
+    t_start = np.zeros(n)
+    t_last = np.zeros(P)
+    last_b = np.ones(P, np.bool_)
+    ran = np.zeros(n, np.bool_)
+    left_on = np.zeros((P, n_mb), np.int64)
+    for i in range(n):
+        left_on[rank[i], mbs[i]] += 1
+    first_open = np.zeros(P, np.int64)
+    for r in range(P):
+        for m in range(n_mb):
+            if left_on[r, m] > 0:
+                first_open[r] = m
+                break
+    earliest = np.full(P, _INF)
+    order = np.empty((P, cap), np.int64)
+    olen = np.zeros(P, np.int64)
+    start = np.zeros(n)
+    end = np.zeros(n)
+    seq = np.empty(n, np.int64)
+    for i in range(n):
+        if remaining[i] == 0:
+            r = rank[i]
+            if window >= 0 and not is_b[i] and mbs[i] >= first_open[r] + window:
+                _hpush(k1, k2, size, 5 * P + r, float(mbs[i]), i)
+            else:
+                _admit(i, r, 1 if is_b[i] else 0, t_start, t_last, earliest, pkey, k1, k2, size, P)
+    for step in range(n):
+        r = 0
+        for q in range(1, P):
+            if earliest[q] < earliest[r]:
+                r = q
+        if earliest[r] == _INF:
+            for q in range(P):
+                if size[5 * P + q] > 0:
+                    return 1, order, olen, start, end, seq
+            return 2, order, olen, start, end, seq
+        tl = t_last[r]
+        for b in range(2):  # what became ready by t_last
+            h = 2 * P + 2 * r + b
+            while size[h] > 0 and k1[h, 0] <= tl:
+                _, p = _hpop(k1, k2, size, h)
+                _hpush(k1, k2, size, 2 * r + b, 0.0, p)
+        h0, h1 = 2 * r, 2 * r + 1
+        if size[h0] > 0 and size[h1] > 0:  # both kinds ready: alternate with the rank's last stage (1F1B)
+            _, p = _hpop(k1, k2, size, h0 if last_b[r] else h1)
+        elif size[h0] > 0:
+            _, p = _hpop(k1, k2, size, h0)
+        elif size[h1] > 0:
+            _, p = _hpop(k1, k2, size, h1)
+        else:  # nothing ready: the earliest start, then the highest priority
+            w0, w1 = 2 * P + 2 * r, 2 * P + 2 * r + 1
+            if size[w0] > 0 and (size[w1] == 0 or _less(k1[w0, 0], k2[w0, 0], k1[w1, 0], k2[w1, 0])):
+                _, p = _hpop(k1, k2, size, w0)
+            else:
+                _, p = _hpop(k1, k2, size, w1)
+        i = stage_of_key[p % n]
+        ran[i] = True
+        hs = 4 * P + r
+        while size[hs] > 0 and ran[k2[hs, 0]]:
+            _hpop(k1, k2, size, hs)
+        earliest[r] = k1[hs, 0] if size[hs] > 0 else _INF
+        m = mbs[i]
+        left_on[r, m] -= 1
+        if left_on[r, m] == 0 and m == first_open[r]:
+            nxt = first_open[r] + 1
+            for q in range(m + 1, n_mb):
+                if left_on[r, q] > 0:
+                    nxt = q
+                    break
+            first_open[r] = nxt
+            hh = 5 * P + r
+            while size[hh] > 0 and k1[hh, 0] < first_open[r] + window:
+                _, j = _hpop(k1, k2, size, hh)
+                _admit(j, r, 1 if is_b[j] else 0, t_start, t_last, earliest, pkey, k1, k2, size, P)
+        t = tl if tl > t_start[i] else t_start[i]
+        e_t = t + lat[i]
+        start[i] = t
+        end[i] = e_t
+        t_last[r] = e_t
+        last_b[r] = is_b[i]
+        order[r, olen[r]] = i
+        olen[r] += 1
+        seq[step] = i
+        for q in range(succ_ptr[i], succ_ptr[i + 1]):
+            d = succ_idx[q]
+            arrive = e_t + succ_delay[q]
+            if arrive > t_start[d]:
+                t_start[d] = arrive
+            remaining[d] -= 1
+            if remaining[d] == 0:
+                rd = rank[d]
+                if window >= 0 and not is_b[d] and mbs[d] >= first_open[rd] + window:
+                    _hpush(k1, k2, size, 5 * P + rd, float(mbs[d]), d)
+                else:
+                    _admit(d, rd, 1 if is_b[d] else 0, t_start, t_last, earliest, pkey, k1, k2, size, P)
+    return 0, order, olen, start, end, seq
+
+
+# -------------------------------------------------------------------------------------------------- timing
+@njit(cache=True)
+def time_kernel(order, olen, pred_ptr, pred_idx, pred_delay, lat):
+    """:func:`dipc.schedule.timed_schedule`'s loop on arrays: each rank's ``order[r, :olen[r]]`` timed (a stage
+    starts when its rank's previous stage and every predecessor, plus the edge's seconds, have ended).  Returns
+    ``(status, start, end, the stages in the order they were timed)``; status 1: the order deadlocks."""
+    n = lat.shape[0]
+    P = olen.shape[0]
+    done = np.zeros(n, np.bool_)
+    fin = np.zeros(n)
+    beg = np.zeros(n)
+    seq = np.empty(n, np.int64)
+    ns = 0
+    pos = np.zeros(P, np.int64)
+    t_last = np.zeros(P)
+    left = n
+    while left:
+        moved = False
+        for r in range(P):
+            p, t_r = pos[r], t_last[r]
+            while p < olen[r]:
+                i = order[r, p]
+                t = t_r
+                ok = True
+                for q in range(pred_ptr[i], pred_ptr[i + 1]):
+                    j = pred_idx[q]
+                    if not done[j]:
+                        ok = False
+                        break
+                    x = fin[j] + pred_delay[q]
+                    if x > t:
+                        t = x
+                if not ok:
+                    break
+                beg[i] = t
+                t_r = t + lat[i]
+                fin[i] = t_r
+                done[i] = True
+                seq[ns] = i
+                ns += 1
+                p += 1
+            if p != pos[r]:
+                left -= p - pos[r]
+                pos[r] = p
+                t_last[r] = t_r
+                moved = True
+        if not moved:
+            return 1, beg, fin, seq[:ns]
+    return 0, beg, fin, seq
+
+
+
+# ------------------------------------------------------------------------------------ memory ILP (one rank)
+@njit(cache=True)
+def _levels(n_rows, ra, rb, x):
+    """Bytes in each of ``n_rows`` rows when item ``i`` holds ``x[i]`` in rows ``ra[i] <= row < rb[i]``."""
+    d = np.zeros(n_rows + 1)
+    for i in range(ra.shape[0]):
+        d[ra[i]] += x[i]
+    for i in range(rb.shape[0]):
+        d[rb[i]] += -x[i]
+    return np.cumsum(d)[:-1]
+
+
+@njit(cache=True)
+def rank_rows(ks, is_b, pair_of, n_all, least_p, most_p, M):
+    """One rank's peak rows (DIP §2.5, :func:`dipc.planner.memory.optimize_memory`): ``ks`` its order (stage
+    indices; ``pair_of[i]``: the pair of forward or backward ``i``, ``n_all`` pairs in all, ``least_p`` /
+    ``most_p`` each pair's least and most bytes).  A row is a forward followed by a backward (or last); a pair is
+    live from its forward to its backward.  Returns ``(status, pairs, ra, rb, n_rows, bad, bad_bytes)``: ``pairs``
+    in the order of their forwards, each live in binding rows ``ra <= row < rb`` (a row binds when its pairs at
+    their most bytes are over ``M``; ``n_rows`` of them); status 1 when a row is over ``M`` with every pair at its
+    least memory (``bad``: its position in ``ks``, ``bad_bytes`` its bytes then), else 0."""
+    L = ks.shape[0]
+    n_pairs = 0
+    n_all_rows = 0
+    for p in range(L):
+        if not is_b[ks[p]]:
+            n_pairs += 1
+            if p + 1 == L or is_b[ks[p + 1]]:
+                n_all_rows += 1
+    pairs = np.empty(n_pairs, np.int64)
+    lo = np.empty(n_pairs, np.int64)
+    rows = np.empty(n_all_rows, np.int64)
+    where = np.full(n_all, -1, np.int64)  # pair -> position of its backward in ks
+    a = 0
+    q = 0
+    for p in range(L):
+        i = ks[p]
+        if is_b[i]:
+            where[pair_of[i]] = p
+        else:
+            pairs[a] = pair_of[i]
+            lo[a] = p
+            a += 1
+            if p + 1 == L or is_b[ks[p + 1]]:
+                rows[q] = p
+                q += 1
+    hi = np.empty(n_pairs, np.int64)
+    for a in range(n_pairs):
+        hi[a] = where[pairs[a]]
+    ra = np.searchsorted(rows, lo)
+    rb = np.searchsorted(rows, hi)
+    least = _levels(n_all_rows, ra, rb, least_p[pairs])
+    most = _levels(n_all_rows, ra, rb, most_p[pairs])
+    if n_all_rows and least.max() > M * (1 + 1e-9):
+        return 1, pairs, ra, rb, 0, rows[np.argmax(least)], least.max()
+    cap = M * (1 + 1e-9)
+    first_binding = np.zeros(n_all_rows + 1, np.int64)
+    for q in range(n_all_rows):
+        first_binding[q + 1] = first_binding[q] + (1 if most[q] > cap else 0)
+    for a in range(n_pairs):
+        ra[a] = first_binding[ra[a]]
+        rb[a] = first_binding[rb[a]]
+    return 0, pairs, ra, rb, first_binding[n_all_rows], -1, 0.0
+
+
+@njit(cache=True)
+def relax_inputs(act, ra, rb, n_rows, path_ptr, path, c_ptr, c_mem, c_extra, seg_ptr, seg_cost, seg_save, M):
+    """The LP relaxation of one rank's instance in incremental form (:func:`dipc.planner.memory._relax`): pairs
+    ``act`` (live in binding rows ``ra <= row < rb``) start at their fastest lower-hull point (``path[path_ptr[p]]``,
+    a candidate of ``c_mem`` / ``c_extra`` from ``c_ptr[p]``) and may move along their hull's segments (``seg_cost``
+    seconds, ``seg_save`` bytes from ``seg_ptr[p]``).  Returns ``(has_lp, fastest points' extra seconds, LP cost,
+    column starts, row indices, values, rows, right-hand sides, each segment's pair (position in act), its
+    bytes)``: the columns in CSC form, the rows those over ``M`` at the fastest points, in units of ``M``;
+    ``has_lp`` False when no row is over or no pair has a segment."""
+    n_act = act.shape[0]
+    n_seg = np.empty(n_act, np.int64)
+    fast_mem = np.empty(n_act)
+    fast_extra = 0.0
+    for a in range(n_act):
+        pr = act[a]
+        n_seg[a] = seg_ptr[pr + 1] - seg_ptr[pr]
+        j0 = path[path_ptr[pr]]
+        fast_mem[a] = c_mem[c_ptr[pr] + j0]
+        fast_extra += c_extra[c_ptr[pr] + j0]
+    need = _levels(n_rows, ra, rb, fast_mem) - M  # bytes each row must save
+    tight = need > M * 1e-9
+    n_s = n_seg.sum()
+    if not tight.any() or n_s == 0:
+        e_f = np.empty(0)
+        e_i = np.empty(0, np.int64)
+        return False, fast_extra, e_f, e_i, e_i, e_f, 0, e_f, e_i, e_f
+    first = np.zeros(n_rows + 1, np.int64)  # tight rows before each row
+    for q in range(n_rows):
+        first[q + 1] = first[q] + (1 if tight[q] else 0)
+    owner = np.empty(n_s, np.int64)
+    cost = np.empty(n_s)
+    save = np.empty(n_s)
+    lens = np.empty(n_s, np.int64)
+    vals = np.empty(n_s)
+    s = 0
+    for a in range(n_act):
+        pr = act[a]
+        for g in range(seg_ptr[pr], seg_ptr[pr + 1]):
+            owner[s] = a
+            cost[s] = seg_cost[g]
+            save[s] = seg_save[g]
+            vals[s] = seg_save[g] / M
+            # a segment's entries: the tight rows its pair is live in (none if it saves nothing)
+            lens[s] = first[rb[a]] - first[ra[a]] if vals[s] != 0 else 0
+            s += 1
+    col = np.zeros(n_s + 1, np.int64)
+    for s in range(n_s):
+        col[s + 1] = col[s] + lens[s]
+    index = np.empty(col[n_s], np.int64)
+    value = np.empty(col[n_s])
+    for s in range(n_s):
+        row0 = first[ra[owner[s]]]
+        for q in range(lens[s]):
+            index[col[s] + q] = row0 + q
+            value[col[s] + q] = -vals[s]
+    m = first[n_rows]
+    b_ub = np.empty(m)
+    q2 = 0
+    for q in range(n_rows):
+        if tight[q]:
+            b_ub[q2] = -need[q] / M
+            q2 += 1
+    return True, fast_extra, cost, col, index, value, m, b_ub, owner, save
+
+
+@njit(cache=True)
+def hull_steps(n_act, z, owner, save):
+    """Each pair's hull steps from its fastest point in the LP solution ``z`` (the bytes it saves, then its
+    segments filled in order; a segment counts as used above 1e-9 of it)."""
+    steps = np.zeros(n_act, np.int64)
+    saved = np.zeros(n_act)
+    for s in range(owner.shape[0]):
+        saved[owner[s]] += save[s] * z[s]
+    excl = np.cumsum(save) - save  # bytes of the segments before each one, over all pairs
+    begin = np.full(n_act, -1, np.int64)  # each pair's first segment (a pair's segments are contiguous)
+    for s in range(owner.shape[0]):
+        if begin[owner[s]] < 0:
+            begin[owner[s]] = s
+    for s in range(owner.shape[0]):
+        a = owner[s]
+        if saved[a] - (excl[s] - excl[begin[a]]) > 1e-9 * save[s]:
+            steps[a] += 1
+    return steps
+
+
+@njit(cache=True)
+def round_up(act, ra, rb, n_rows, steps, path_ptr, path, c_ptr, c_mem, c_extra, bs_order, M, choice):
+    """:func:`dipc.planner.memory._solve_pairs`' rounding and upgrades: each pair of ``act`` at the hull point
+    ``steps`` from its fastest (every row then holds: memory only goes down), then, the largest saving first, the
+    fastest candidate (``bs_order``: a pair's candidates fastest first) that its rows still hold.  Writes the
+    candidates (indices within each pair) to ``choice[act]``; returns their extra seconds summed."""
+    n_act = act.shape[0]
+    js = np.empty(n_act, np.int64)
+    mem = np.empty(n_act)
+    gain = np.empty(n_act)
+    for a in range(n_act):
+        pr = act[a]
+        j = path[path_ptr[pr] + steps[a]]
+        js[a] = j
+        mem[a] = c_mem[c_ptr[pr] + j]
+        gain[a] = c_extra[c_ptr[pr] + j] - c_extra[c_ptr[pr] + bs_order[c_ptr[pr]]]
+    level = _levels(n_rows, ra, rb, mem)
+    cap = M * (1 + 1e-9)
+    for a in np.argsort(-gain, kind="mergesort"):  # the largest saving first (stable)
+        if gain[a] <= 0:
+            break
+        pr, j0 = act[a], js[a]
+        c0 = c_ptr[pr]
+        lo, hi = ra[a], rb[a]
+        mx = 0.0
+        if hi > lo:
+            mx = level[lo]
+            for q in range(lo + 1, hi):
+                if level[q] > mx:
+                    mx = level[q]
+        room = cap - mx + c_mem[c0 + j0]
+        for q in range(c0, c_ptr[pr + 1]):  # fastest first
+            j = bs_order[q]
+            if c_extra[c0 + j] >= c_extra[c0 + j0]:
+                break
+            if c_mem[c0 + j] <= room:
+                up = c_mem[c0 + j] - c_mem[c0 + j0]
+                for q2 in range(lo, hi):
+                    level[q2] += up
+                js[a] = j
+                break
+    value = 0.0
+    for a in range(n_act):
+        choice[act[a]] = js[a]
+        value += c_extra[c_ptr[act[a]] + js[a]]
+    return value
