@@ -106,6 +106,9 @@ class SimResult:
         sim = (plan.simulated or {}) if plan is not None else {}
         if sim.get("recomputed_partly"):
             lines.append(f"pairs recomputing part of their chunk (per-layer): {sim['recomputed_partly']}")
+        if sim.get("plans_tried", 1) > 1:
+            lines.append(f"schedules made to fit memory: {sim['plans_tried']} (reserve policies, and re-plans "
+                         "under smaller budgets where the simulated plan was over its limit)")
         search = sim.get("search")
         if search:
             hist = search.get("best_over_time") or []

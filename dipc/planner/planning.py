@@ -79,7 +79,9 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     fastest simulated of several memory-feasible candidates (:func:`_interleave`).  The static templates fix
     each rank's order first (Optimus: encoder forwards first, then the list scheduler without a limit), then switch
     stages to recompute until every rank fits its budget (:func:`dipc.schedule.fit_by_recompute`).  The plan's
-    ``simulated`` records ``schedule`` and ``recomputed`` (the forward-backward pairs that recompute).  The workload
+    ``simulated`` records ``schedule``, ``recomputed`` (the forward-backward pairs that recompute) and
+    ``plans_tried`` (the schedules made: one per reserve policy and per re-plan under smaller budgets when the
+    simulated plan was over its limit; each linear in the stages).  The workload
     must have been split as the template needs (:func:`split_for`).
 
     ``memory_opt``: under a limit, how the pairs' memory strategies are chosen: "ilp" (default: DIP's per-rank
@@ -152,7 +154,10 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     search = None
     hint: dict = {}  # the interleaver's best window candidate: the family the search's rollouts are scored in
 
+    tried_plans = [0]  # list schedules + memory optimisations made (policies x re-plans under smaller budgets)
+
     def plan_once(limits):
+        tried_plans[0] += 1
         if t.kind == "interleave" and not limited:  # the common path: one list schedule
             sched = list_schedule(graph, P, comm_time=comm)
         elif t.kind == "interleave":
@@ -297,6 +302,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     plan = lower(graph, sched, chunk_ranks, step=step,
                  microbatches=[mb.meta() for mb in workload.microbatches])
     plan.simulated["schedule"] = t.name
+    plan.simulated["plans_tried"] = tried_plans[0]
     if search is not None:
         plan.simulated["search"] = {"rollouts": search.rollouts, "iterations": search.iterations,
                                     "exhausted": search.exhausted, "seconds": search.seconds,
