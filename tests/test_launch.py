@@ -1,0 +1,41 @@
+"""dipc.launch.spawn: ranks forked from the fork server see the caller's environment as it is at each call, agree
+on string hashing (a forward that iterates a set of strings must trace alike on every rank), and a failing rank's
+error reaches the caller."""
+import os
+
+import pytest
+
+from dipc.launch import SpawnError, spawn
+
+
+def _env_and_order(rank, world, name):
+    import torch.distributed as dist
+
+    return {"value": os.environ.get(name), "rank_env": os.environ["RANK"], "world": dist.get_world_size(),
+            "order": list({f"layer_{i}" for i in range(16)}), "pid": os.getpid()}
+
+
+def _fails_on(rank, world, bad):
+    if rank == bad:
+        raise ValueError(f"rank {rank} fails on purpose")
+    return rank
+
+
+def test_ranks_take_the_callers_environment_at_each_call_and_hash_strings_alike(monkeypatch):
+    name = "DIPC_TEST_LAUNCH_VALUE"
+    monkeypatch.delenv(name, raising=False)
+    first = spawn(_env_and_order, 2, (name,), timeout=120)  # starts the fork server if no test did
+    assert [o["value"] for o in first] == [None, None]
+    monkeypatch.setenv(name, "set after the server started")
+    second = spawn(_env_and_order, 2, (name,), timeout=120)
+    assert [o["value"] for o in second] == ["set after the server started"] * 2
+    assert [o["rank_env"] for o in second] == ["0", "1"] and {o["world"] for o in second} == {2}
+    assert second[0]["order"] == second[1]["order"] == first[0]["order"]
+    assert len({o["pid"] for o in first + second}) == 4  # a fresh process per rank and call
+    monkeypatch.delenv(name)
+    assert [o["value"] for o in spawn(_env_and_order, 2, (name,), timeout=120)] == [None, None]
+
+
+def test_a_failing_rank_is_reported_with_its_traceback():
+    with pytest.raises(SpawnError, match=r"rank 1 failed:\nValueError: rank 1 fails on purpose(.|\n)*_fails_on"):
+        spawn(_fails_on, 2, (1,), timeout=120)
