@@ -11,7 +11,10 @@ rounds so that the machine's drift hits all alike:
 * ``precomputed``: every batch's plan made before the loop (:func:`dipc.runtime.make_plan`, validated) and handed
   to ``pipe.step(batch, plan=...)``: no planning on the step's path;
 * ``async``: ``for batch in dipc.prefetch(batches): pipe.step(batch)``: rank 0's background planner makes each
-  next plan during the current step (its time reported per step);
+  next plan during the current step (its time reported per step), with ``simulate_steps=False``: plans only, the
+  work the precomputed mode does before the loop;
+* ``async+sim``: the same, and the planner also simulates each plan for the step report (bubble ratio, its causes,
+  peak memory: what the main job prints per step), work that the other modes do not do at all;
 * ``sync``: each plan made by rank 0 at the start of its step.
 
 Each step's time is the slowest rank's ``pipe.step`` (split, plan delivery, execution, all-reduces); no optimizer
@@ -58,13 +61,14 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds):
         w = build_workload(compiled, split_for(compiled, b, n_mb))
         plans.append(make_plan(compiled, w, i))
     precompute_s = (time.perf_counter() - t0) / len(steps)
-    times: dict[str, list] = {"precomputed": [], "async": [], "sync": []}
+    times: dict[str, list] = {"precomputed": [], "async": [], "async+sim": [], "sync": []}
     plan_path: dict[str, list] = {k: [] for k in times}
-    planner: list = []
+    planner: dict[str, list] = {"async": [], "async+sim": []}
     sources: dict[str, set] = {k: set() for k in times}
     for _ in range(rounds):
         for mode in times:
-            it = dipc.prefetch(steps) if mode == "async" else steps
+            it = dipc.prefetch(steps) if mode.startswith("async") else steps
+            pipe.simulate_steps = mode == "async+sim"
             for i, b in enumerate(it):
                 t = time.perf_counter()
                 pipe.step(b, plan=plans[i] if mode == "precomputed" else None)
@@ -72,8 +76,8 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds):
                 rep = pipe.last_report
                 plan_path[mode].append(rep.plan_s)
                 sources[mode].add(rep.plan_source)
-                if mode == "async" and rep.planner_s is not None:
-                    planner.append((rep.planner_s, rep.planner_cpu_s))
+                if mode in planner and rep.planner_s is not None:
+                    planner[mode].append((rep.planner_s, rep.planner_cpu_s))
                 for p in pipe.parameters():
                     p.grad = None
     pipe.close()
@@ -132,12 +136,15 @@ def main(argv=None) -> None:
                      f"{statistics.fmean(ts) / base:.3f} | {statistics.median(ts) / med_base:.3f} | "
                      f"{statistics.median(rr):.3f} ({min(rr):.3f} - {max(rr):.3f}) | {pp:.1f} | "
                      f"{', '.join(res[0]['sources'][m])} |")
-    pl = res[0]["planner"]
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    lines += ["", f"Background planner: {statistics.fmean(w for w, _ in pl) * 1e3:.1f} ms wall per plan "
-              f"(max {max(w for w, _ in pl) * 1e3:.1f} ms; {statistics.fmean(c for _, c in pl) * 1e3:.1f} ms CPU), "
-              f"{len(pl)} plans; the same plans made in the training process before the loop: "
+    per = []
+    for m, pl in res[0]["planner"].items():
+        if pl:
+            per.append(f"{m} {statistics.fmean(w for w, _ in pl) * 1e3:.1f} ms wall per plan (max "
+                       f"{max(w for w, _ in pl) * 1e3:.1f} ms; {statistics.fmean(c for _, c in pl) * 1e3:.1f} ms CPU, "
+                       f"the simulation after it not counted), {len(pl)} plans")
+    lines += ["", f"Background planner: {'; '.join(per)}; the same plans made in the training process before the loop: "
               f"{res[0]['precompute_s'] * 1e3:.1f} ms each; fallbacks {res[0]['fallbacks']}. Host cores: {cores}, "
               "training processes: 2" + (" (no idle core for the planner: its CPU time comes out of the ranks')"
                                           if cores <= 2 else "") + "."]

@@ -774,7 +774,7 @@ class CompiledPipeline:
     def runtime(self, group=None, *, mesh=None, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                bucket_mb: float = 25.0, init=None):
+                bucket_mb: float = 25.0, init=None, simulate_steps: bool = True):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -802,10 +802,15 @@ class CompiledPipeline:
             fallback_schedule: the template a step runs when its background plan is late, failed or its planner
                 died (DIP §2.2), planned then.
             plan_wait_s: seconds after a step begins that it waits for its background plan before falling back.
+            simulate_steps: the background planner also simulates each plan it made, after sending it, for the
+                step report's bubble ratio, its causes and peak memory (``pipe.last_report.simulation``); False
+                leaves that to :meth:`StepReport.simulate`, on demand, and the planner's CPU to the ranks (at small
+                sizes the simulation costs about what the plan does).  The attribute ``pipe.simulate_steps`` can be
+                changed between steps.
 
         Raises:
             ValueError: unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
-                ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``.
+                ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool.
         """
         from .runtime import PipelineRuntime
         dp_group = None
@@ -823,7 +828,8 @@ class CompiledPipeline:
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
-                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init)
+                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
+                               simulate_steps=simulate_steps)
 
 
 def _mode_dependent(model: torch.nn.Module) -> bool:

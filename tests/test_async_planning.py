@@ -158,10 +158,18 @@ def _scenarios(rank, world):
     saved = (pickle.loads, pickle.Unpickler, c10d._unpickler)
     pickle.loads, pickle.Unpickler, c10d._unpickler = refuse, refuse, refuse
     try:
-        pipe = compiled.runtime(n_microbatches=2, timeout=60)
+        # and the planner makes plans only: the step report's simulation is made on demand, here
+        pipe = compiled.runtime(n_microbatches=2, timeout=60, plan_wait_s=30, simulate_steps=False)
         for i, batch in enumerate(dipc.prefetch(steps[:3])):
             loss = pipe.step(batch)
             _compare(pipe, ref, batch, loss, rank, f"no-pickle step {i}")
+        rep = pipe.last_report
+        assert rep.plan_source == "async" and rep.simulation is None, (rep.plan_source, rep.fallback_reason)
+        if rank == 0:
+            assert pipe._planner.simulations == {}, sorted(pipe._planner.simulations)
+            assert "bubble" not in rep.summary()
+        sim = rep.simulate()
+        assert 0 <= sim["bubble_ratio"] < 1 and len(sim["peak_memory"]) == world
         sd = pipe.full_state_dict()
         events = pipe.trace_events()
         pipe.load_state_dict(sd)  # the checkpoint round trip, still without pickle

@@ -190,6 +190,7 @@ def test_runtime_and_compile_arguments_out_of_range_are_refused_before_any_commu
                     ({"timeout": 0}, r"timeout must be a finite number of seconds > 0, got 0"),
                     ({"timeout": -5.0}, r"timeout must be a finite number of seconds > 0, got -5.0"),
                     ({"plan_wait_s": -1}, r"plan_wait_s must be a finite number of seconds >= 0, got -1"),
+                    ({"simulate_steps": "no"}, r"simulate_steps must be a bool, got 'no'"),
                     ({"fallback_schedule": "zigzag"}, r"zigzag")]:
         with pytest.raises(ValueError, match=pat):
             c.runtime(**kw)

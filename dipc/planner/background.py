@@ -5,15 +5,16 @@ time it is given a batch (the fork inherits the compiled pipeline: its captures,
 nothing of it is serialised), then sends it each next batch as a frame of JSON metadata and the raw bytes of its
 tensors, and reads back the plan as JSON text.  Nothing is pickled on either side.  The process plans exactly as
 the synchronous path would (:func:`dipc.runtime.split_for`, :func:`dipc.runtime.build_workload`,
-:func:`dipc.runtime.make_plan`, validated) and also simulates the plan, so that the step report's bubble ratio, its
-causes and the peak memory cost the training process nothing.
+:func:`dipc.runtime.make_plan`, validated) and, unless the runtime says not to (``simulate_steps=False``), also
+simulates the plan, so that the step report's bubble ratio, its causes and the peak memory cost the training
+process nothing.
 
 The planning process runs at the lowest CPU priority (Linux ``SCHED_IDLE``, else ``nice`` 19): it plans on the cores
-the training processes leave idle.  It sends the plan first and then, unless the next batch already waits, the simulated figures of the
-step report.  The runtime asks for a step's plan with :meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for
-another batch, or that failed, or a planning process that died, gives ``None`` and the reason; the runtime then
-plans the step with its fallback template and says so (the planning process is restarted for the next batch when it
-died).  When several batches are queued, the process skips to the newest (older ones would be late anyway).
+the training processes leave idle.  It sends the plan first and then, when asked and unless the next batch already
+waits, the simulated figures of the step report.  The runtime asks for a step's plan with
+:meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for another batch, or that failed, or a
+planning process that died, gives ``None`` and the reason; the runtime then plans the step with its fallback
+template and says so (the planning process is restarted for the next batch when it died).  When several batches are queued, the process skips to the newest (older ones would be late anyway).
 
 Testing knobs, read by the planning process when it starts: ``DIPC_PLANNER_DELAY_S`` (seconds it sleeps before each
 plan: a planner slowed on purpose) and ``DIPC_PLANNER_FAIL`` (non-empty: each plan raises).
@@ -146,7 +147,8 @@ def _serve(conn, compiled, options: dict) -> None:
             reply["cpu_seconds"] = time.process_time() - c0
             try:
                 conn.send_bytes(encode_json(reply))
-                if plan is not None and not conn.poll(0):  # then, unless the next batch waits, the report's figures
+                # then, when asked and unless the next batch waits, the report's figures
+                if plan is not None and head.get("simulate", True) and not conn.poll(0):
                     conn.send_bytes(encode_json({"step": head["step"],
                                                  "simulation": _summary(compiled, w, plan, static)}))
             except (BrokenPipeError, OSError):
@@ -248,16 +250,18 @@ class BackgroundPlanner:
         return self.pid is not None and self.exitcode is None
 
     def submit(self, step: int, batch: Mapping[str, Any], n_microbatches: int, schedule: str, budget_s: float,
-               seed: int, amp: tuple[str, str] | None = None) -> None:
+               seed: int, amp: tuple[str, str] | None = None, simulate: bool = True) -> None:
         """Send step ``step``'s batch to the planning process (starting or restarting it first).  The frame is
-        written by a sender thread, so the training thread does not wait for the planner to read it.
+        written by a sender thread, so the training thread does not wait for the planner to read it.  With
+        ``simulate`` the process also simulates the plan for the step report, after sending it.
 
         Raises:
             TypeError: a non-tensor value of ``batch`` is not JSON.
         """
         self.seq += 1  # a retried step (after a failure) sends its look-ahead again: only the newest counts
         frame = encode_batch({"step": step, "seq": self.seq, "n_microbatches": n_microbatches, "schedule": schedule,
-                              "budget_s": budget_s, "seed": seed, "amp": list(amp) if amp else None}, batch)
+                              "budget_s": budget_s, "seed": seed, "amp": list(amp) if amp else None,
+                              "simulate": bool(simulate)}, batch)
         if self.alive() and len(self.compiled.programs) != self.programs_at_fork:
             self._kill()  # this process captured since the fork: a new fork inherits the captures
         if not self.alive():

@@ -40,7 +40,8 @@ class PipelineRuntime:
     def __init__(self, compiled, group=None, n_microbatches: int | None = None, timeout: float = 300.0,
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                  budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                 dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None):
+                 dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None,
+                 simulate_steps: bool = True):
         from ..codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
@@ -60,6 +61,9 @@ class PipelineRuntime:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"seed must be an int, got {seed!r}")
         self.budget_s, self.seed = float(budget_s), seed
+        if not isinstance(simulate_steps, bool):
+            raise ValueError(f"simulate_steps must be a bool, got {simulate_steps!r}")
+        self.simulate_steps = simulate_steps
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -1470,7 +1474,7 @@ class PipelineRuntime:
             if not isinstance(next_batch, Mapping):
                 raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
             self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1,
-                                 autocast_state(self.device))
+                                 autocast_state(self.device), simulate=bool(self.simulate_steps))
         except Exception as e:  # noqa: BLE001 - not sendable: the next step plans synchronously
             self._planner.submitted = None
             log.warning("dipc: step %d's next batch cannot go to the background planner (%s: %s); it will be "
