@@ -53,9 +53,7 @@ _PRELOAD = ["torch", "torch.distributed", "dipc"]
 
 def _context():
     """multiprocessing's ``forkserver`` context (preloading :data:`_PRELOAD`), or ``spawn`` where there is none."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call); a no-op after

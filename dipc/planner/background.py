@@ -14,7 +14,8 @@ the training processes leave idle.  It sends the plan first and then, when asked
 waits, the simulated figures of the step report.  The runtime asks for a step's plan with
 :meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for another batch, or that failed, or a
 planning process that died, gives ``None`` and the reason; the runtime then plans the step with its fallback
-template and says so (the planning process is restarted for the next batch when it died).  When several batches are queued, the process skips to the newest (older ones would be late anyway).
+template and says so (the planning process is restarted for the next batch when it died).  When several batches
+are queued, the process skips to the newest (older ones would be late anyway).
 
 Testing knobs, read by the planning process when it starts: ``DIPC_PLANNER_DELAY_S`` (seconds it sleeps before each
 plan: a planner slowed on purpose) and ``DIPC_PLANNER_FAIL`` (non-empty: each plan raises).

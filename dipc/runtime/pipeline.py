@@ -1474,7 +1474,7 @@ class PipelineRuntime:
             if not isinstance(next_batch, Mapping):
                 raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
             self._planner.submit(self.step_index + 1, next_batch, n, schedule, budget, self.seed + self.step_index + 1,
-                                 autocast_state(self.device), simulate=bool(self.simulate_steps))
+                                 autocast_state(self.device), simulate=self.simulate_steps)
         except Exception as e:  # noqa: BLE001 - not sendable: the next step plans synchronously
             self._planner.submitted = None
             log.warning("dipc: step %d's next batch cannot go to the background planner (%s: %s); it will be "
