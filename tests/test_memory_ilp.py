@@ -159,6 +159,38 @@ def test_lp_relaxation_over_each_pairs_lower_hull_has_the_full_relaxations_optim
         assert sum(cost[g[j]] for g, j in zip(groups, js)) >= bound - 1e-7
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=hs.integers(0, 100_000))
+def test_interval_cover_flow_has_the_lps_optimum_or_says_it_has_none(seed):
+    """The relaxation's solver (:func:`dipc.planner.kernels.interval_cover_lp`, a min-cost flow) against HiGHS's
+    simplex (``scipy.optimize.linprog``) on random interval-covering LPs: the same optimum, a z in [0, 1] meeting
+    every row, and no solution exactly where HiGHS finds the LP infeasible.  Instances with ties (equal costs
+    per byte), zero-cost and zero-byte segments, segments covering no row, and rows no segment covers."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    from dipc.planner.kernels import interval_cover_lp
+
+    rnd = random.Random(seed)
+    m, ns = rnd.randint(1, 12), rnd.randint(1, 25)
+    lo = np.asarray([rnd.randrange(m + 1) for _ in range(ns)], np.int64)
+    hi = np.asarray([rnd.randint(int(a), m) for a in lo], np.int64)
+    cost = np.asarray([rnd.choice([0.0, 1.0, 2.0, rnd.uniform(0, 5)]) for _ in range(ns)])
+    save = np.asarray([rnd.choice([0.0, 0.5, 1.0, rnd.uniform(0, 2)]) for _ in range(ns)])
+    cover = np.zeros((m, ns))
+    for s in range(ns):
+        cover[lo[s]:hi[s], s] = save[s]
+    most = cover.sum(1)
+    need = np.asarray([rnd.uniform(0, 1.2) * most[q] + (0.3 if rnd.random() < 0.1 else 0.0) for q in range(m)])
+    ref = linprog(cost, A_ub=-cover, b_ub=-need, bounds=(0, 1), method="highs")
+    status, z, obj = interval_cover_lp(m, need, lo, hi, cost, save)
+    assert (status == 0) == (ref.status == 0), (status, ref.message)
+    if status == 0:
+        assert obj == pytest.approx(ref.fun, rel=1e-9, abs=1e-9)
+        assert ((z >= 0) & (z <= 1)).all() and (cover @ z >= need - 1e-9).all()
+        assert float(cost @ z) == pytest.approx(obj, rel=1e-12, abs=1e-12)
+
+
 def test_ilp_refuses_an_order_that_cannot_fit_and_names_the_rank():
     g, order = _instance(3)
     with pytest.raises(PlanError, match=r"rank 0 keeps [\d.e+]+ bytes of activations at F:0:\d:-1 with every pair "

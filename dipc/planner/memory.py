@@ -13,10 +13,11 @@ forward-backward stage pair, chosen by a small ILP per pipeline rank.
   backward in the rank's order, or last), the pairs live there (forward at or before it, backward after it) keep
   at most the rank's activation budget: ``sum mem[i, j] * o[i, j] <= M``.  The memory is counted on the rank's
   order, as :func:`dipc.schedule.order_peaks` and the simulator count it, so the chosen strategies fit whatever
-  the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved by
-  HiGHS: its LP relaxation (in incremental form over each pair's lower hull, :meth:`CandidateTable.relax`) rounded and greedily
-  improved, and ``scipy.optimize.milp``'s branch and bound only when that is not within the 5% relative gap of
-  the relaxation's bound (:func:`_solve_pairs`), under a time limit.  scipy gives HiGHS no starting
+  the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved
+  by its LP relaxation (in incremental form over each pair's lower hull, :meth:`CandidateTable.relax`: a min-cost
+  flow, as a pair covers an interval of rows) rounded and greedily improved, and HiGHS's branch and bound
+  (``scipy.optimize.milp``) only when that is not within the 5% relative gap of the relaxation's bound
+  (:func:`_solve_pairs`), under a time limit.  scipy gives HiGHS no starting
   solution, so the greedy warm start of the paper is the fallback instead: a rank the solver leaves without a
   solution in time keeps what the greedy recompute fit (:func:`dipc.schedule.fit_by_recompute`) gave it.
 * ``uniform``: one strategy per chunk for all its microbatches (a static schedule's user sets recompute once per
@@ -27,7 +28,6 @@ Pure: works on a :class:`dipc.schedule.StageGraph` and per-rank orders; no proce
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from typing import Sequence
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from ..plan import PlanError
 from ..schedule import StageGraph, fit_by_recompute, relax_recompute
-from .kernels import hull_steps, rank_rows, relax_inputs, round_up
+from .kernels import hull_steps, interval_cover_lp, rank_rows, relax_inputs, round_up
 
 __all__ = ["prune_options", "optimize_memory", "apply_option", "fit_order", "S_DEFAULT"]
 
@@ -370,18 +370,19 @@ class CandidateTable:
         ``seg_cost`` seconds and saves ``seg_save`` bytes in every row the pair is live in.  A pair's segments grow
         in seconds per byte saved (a convex hull), so the relaxation fills them in order with no constraint saying
         so, and the one-candidate-per-pair rows of the multiple-choice form are gone: at VLM-L / 64 microbatches
-        375 columns and the rows that bind at the fastest points, against 750 columns and 375 more rows.  Memory
-        rows are in units of ``M``; solved by HiGHS (:func:`_lp`).  Returns ``(each pair's number of hull steps
-        from its fastest point, lower bound on the extra seconds)`` or ``None`` when HiGHS finds no solution."""
-        has_lp, fast_extra, cost, col, index, value, m, b_ub, owner, save = relax_inputs(
+        375 columns and the rows that bind at the fastest points, against 750 columns and 375 more rows.  A
+        segment covers the rows of an interval, so the LP is a min-cost flow, solved exactly by
+        :func:`dipc.planner.kernels.interval_cover_lp` (memory in units of ``M``).  Returns ``(each pair's number
+        of hull steps from its fastest point, lower bound on the extra seconds)`` or ``None`` when the relaxation
+        has no solution (a row needs more than its pairs can save)."""
+        has_lp, fast_extra, m, need, lo, hi, cost, save, owner = relax_inputs(
             act, ra, rb, n_rows, self.path_ptr, self.path, self.c_ptr, self.c_mem, self.c_extra, self.seg_ptr,
             self.seg_cost, self.seg_save, float(M))
         if not has_lp:
             return np.zeros(len(act), np.int64), fast_extra
-        got = _lp(cost, (col, index, value), int(m), b_ub)
-        if got is None:
+        status, z, fun = interval_cover_lp(m, need, lo, hi, cost, save)
+        if status:
             return None
-        z, fun = got
         return hull_steps(len(act), z, owner, save), fast_extra + fun
 
     def solve(self, act, ra, rb, n_rows: int, M: float, gap: float, base: float, choice) -> tuple[str, float]:
@@ -405,47 +406,6 @@ def _relax(tabs, ra, rb, n_rows, M):
     """:meth:`CandidateTable.relax` of the pairs ``tabs`` (:class:`_Candidates`)."""
     return CandidateTable(tabs).relax(np.arange(len(tabs)), np.asarray(ra, np.int64), np.asarray(rb, np.int64),
                                       int(n_rows), M)
-
-
-_HIGHS = threading.local()
-
-
-def _lp(cost, a_ub, m, b_ub):
-    """``min cost @ z`` subject to ``a_ub @ z <= b_ub``, ``0 <= z <= 1`` (``a_ub``: ``m`` rows in CSC arrays
-    ``(start, index, value)``, a column's row indices ascending and distinct) by HiGHS's simplex through highspy
-    (HiGHS's own Python interface), one solver object per thread reused: scipy's ``linprog``, the same solver,
-    spends 6 of its 7 ms per VLM-L / 64-microbatch instance in Python around a 1 ms solve.  Without presolve first
-    (faster here), with it if that finds no optimum.  Returns ``(z, objective)`` or None."""
-    import highspy
-    from highspy import HighsModelStatus, kHighsInf
-
-    h = getattr(_HIGHS, "solver", None)
-    if h is None:
-        # highspy.Highs's own constructor prints HiGHS's banner on stdout (in the middle of a training log, once
-        # per planner process); its base class, the plain solver, does not
-        make = getattr(getattr(highspy, "_core", None), "_Highs", None) or highspy.Highs
-        h = _HIGHS.solver = make()
-        h.setOptionValue("output_flag", False)
-        # no worker threads: the simplex here is serial anyway, and the search forks its rollout workers from a
-        # process that has solved (a thread pool does not survive a fork)
-        h.setOptionValue("threads", 1)
-    start, index, value = (np.ascontiguousarray(a_ub[0], dtype=np.int32),
-                           np.ascontiguousarray(a_ub[1], dtype=np.int32),
-                           np.ascontiguousarray(a_ub[2], dtype=np.float64))
-    n = len(start) - 1
-    cost = np.ascontiguousarray(cost, dtype=np.float64)
-    b_ub = np.ascontiguousarray(b_ub, dtype=np.float64)
-    for presolve in ("off", "on"):
-        h.clearModel()
-        h.setOptionValue("presolve", presolve)
-        # the arrays straight in (HiGHS's pointer form; filling a HighsLp's fields cost ~0.45 ms an instance):
-        # column-wise (1), minimise (1), no offset; every column continuous (0)
-        h.passModel(n, m, len(index), 1, 1, 0.0, cost, np.zeros(n), np.ones(n), np.full(m, -kHighsInf), b_ub,
-                    start, index, value, np.zeros(n, np.int32))
-        h.run()
-        if h.getModelStatus() == HighsModelStatus.kOptimal:
-            return np.asarray(h.getSolution().col_value), float(h.getInfo().objective_function_value)
-    return None
 
 
 def _solve_pairs(tabs, ra, rb, n_rows, M, gap, time_limit, base):
