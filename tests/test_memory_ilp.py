@@ -191,6 +191,33 @@ def test_interval_cover_flow_has_the_lps_optimum_or_says_it_has_none(seed):
         assert float(cost @ z) == pytest.approx(obj, rel=1e-12, abs=1e-12)
 
 
+def test_interval_cover_flow_edge_cases_found_by_review():
+    """Two ways the flow went wrong before (found by an adversarial review): one segment saving next to nothing at
+    a high cost made a global reduced-cost tolerance so wide that a dearer path counted as a tie (40% over the
+    optimum); demands left below the numerical floor on several rows, together above it, were called infeasible."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    from dipc.planner.kernels import interval_cover_lp
+
+    cases = [
+        (1, [1.5], [0, 0, 0, 0], [1, 1, 1, 1], [1e4, 5e-3, 3e-3, 1e-3], [1e-6, 1.0, 1.0, 1.0]),
+        (3, [0.5, 0.5 + 0.9e-12, 0.5 + 1.8e-12], [0], [3], [1.0], [1.0]),
+        (3, [0.5 + 1.8e-12, 0.5 + 0.9e-12, 0.5], [0, 1, 2], [1, 2, 3], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]),
+    ]
+    for m, need, lo, hi, cost, save in cases:
+        need, cost, save = (np.asarray(x, np.float64) for x in (need, cost, save))
+        lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        cover = np.zeros((m, len(lo)))
+        for s in range(len(lo)):
+            cover[lo[s]:hi[s], s] = save[s]
+        ref = linprog(cost, A_ub=-cover, b_ub=-need, bounds=(0, 1), method="highs")
+        status, z, obj = interval_cover_lp(m, need, lo, hi, cost, save)
+        assert status == 0 and ref.status == 0
+        assert obj == pytest.approx(ref.fun, rel=1e-9, abs=1e-12), (need, obj, ref.fun)
+        assert (cover @ z >= need - 1e-9).all()
+
+
 def test_ilp_refuses_an_order_that_cannot_fit_and_names_the_rank():
     g, order = _instance(3)
     with pytest.raises(PlanError, match=r"rank 0 keeps [\d.e+]+ bytes of activations at F:0:\d:-1 with every pair "

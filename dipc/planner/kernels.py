@@ -435,7 +435,6 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
         tail[q] = q
         head[q] = q + 1
         cap[q] = np.inf
-    cmax = 0.0
     for s in range(ns):
         e = m + s
         tail[e] = hi[s]
@@ -443,9 +442,6 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
         if hi[s] > lo[s] and save[s] > 0:
             cap[e] = save[s]
             rate[e] = cost[s] / save[s]
-            if rate[e] > cmax:
-                cmax = rate[e]
-    tol = 1e-12 * (1.0 + cmax)  # reduced costs within it count as 0
     deg = np.zeros(V + 1, np.int64)  # each node's arcs: 2 * e leaving by e, 2 * e + 1 leaving against e
     for e in range(E):
         deg[tail[e] + 1] += 1
@@ -482,7 +478,14 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
     path = np.empty(V + 1, np.int64)
     hk = np.empty(2 * E + 2 * V + 2)
     hv = np.empty(2 * E + 2 * V + 2, np.int64)
-    while left > eps:
+    while True:
+        wanted = False  # a demand left above eps (the paths below serve even the smaller ones they reach)
+        for v in range(m + 1):
+            if dem[v] > eps:
+                wanted = True
+                break
+        if not wanted:
+            break
         # Dijkstra on reduced costs from the supplies left (a supply node's distance: -pot, the implicit source's
         # arc to it), to the sink through the nodes with demand left
         hs = 0
@@ -491,7 +494,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
             done[v] = False
             pe[v] = -1
         for v in range(m + 1):
-            if sup[v] > eps:
+            if sup[v] > 0:
                 dist[v] = -pot[v]
                 hs = _fpush(hk, hv, hs, dist[v], v)
         while True:
@@ -509,7 +512,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
             if u == T:
                 break
             du = dist[u]
-            if dem[u] > eps:
+            if dem[u] > 0:
                 nd = du + pot[u] - pot[T]
                 if nd < dist[T]:
                     dist[T] = nd
@@ -588,7 +591,10 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
                             v = head[e]
                             r = cap[e] - flow[e]
                             c = rate[e]
-                        if r > eps and mark[v] == 0 and c + pot[u] - pot[v] <= tol:
+                        # reduced cost 0 up to rounding, relative to the terms (one global tolerance let a
+                        # segment saving next to nothing at a high cost make real differences look like ties)
+                        if r > eps and mark[v] == 0 and c + pot[u] - pot[v] <= 1e-12 * (abs(c) + abs(pot[u])
+                                                                                          + abs(pot[v])):
                             path[n_p] = x
                             n_p += 1
                             u = v
