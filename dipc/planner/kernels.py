@@ -371,42 +371,6 @@ def relax_inputs(act, ra, rb, n_rows, path_ptr, path, c_ptr, c_mem, c_extra, seg
     return True, fast_extra, m, row_need, lo, hi, cost, save, owner
 
 
-# min-cost flow's binary heap of (distance, node), lazy deletion
-@njit(cache=True)
-def _fpush(hk, hv, n, k, v):
-    i = n
-    hk[i] = k
-    hv[i] = v
-    while i > 0:
-        p = (i - 1) >> 1
-        if hk[p] <= hk[i]:
-            break
-        hk[p], hk[i] = hk[i], hk[p]
-        hv[p], hv[i] = hv[i], hv[p]
-        i = p
-    return n + 1
-
-
-@njit(cache=True)
-def _fpop(hk, hv, n):
-    n -= 1
-    hk[0] = hk[n]
-    hv[0] = hv[n]
-    i = 0
-    while True:
-        c = 2 * i + 1
-        if c >= n:
-            break
-        if c + 1 < n and hk[c + 1] < hk[c]:
-            c += 1
-        if hk[i] <= hk[c]:
-            break
-        hk[c], hk[i] = hk[i], hk[c]
-        hv[c], hv[i] = hv[i], hv[c]
-        i = c
-    return n
-
-
 @njit(cache=True)
 def interval_cover_lp(m, need, lo, hi, cost, save):
     """``min sum(cost * z)`` subject to ``sum(save[s] * z[s] for s with lo[s] <= q < hi[s]) >= need[q]`` for each
@@ -476,8 +440,9 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
     mark = np.zeros(V, np.int64)
     cur = np.empty(V, np.int64)
     path = np.empty(V + 1, np.int64)
-    hk = np.empty(2 * E + 2 * V + 2)
-    hv = np.empty(2 * E + 2 * V + 2, np.int64)
+    hk = np.empty((1, 2 * E + 2 * V + 2))  # one heap of (distance, node) (:func:`_hpush`), stale entries skipped
+    hv = np.empty((1, 2 * E + 2 * V + 2), np.int64)
+    hs = np.zeros(1, np.int64)
     while True:
         wanted = False  # a demand left above eps (the paths below serve even the smaller ones they reach)
         for v in range(m + 1):
@@ -488,7 +453,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
             break
         # Dijkstra on reduced costs from the supplies left (a supply node's distance: -pot, the implicit source's
         # arc to it), to the sink through the nodes with demand left
-        hs = 0
+        hs[0] = 0
         for v in range(V):
             dist[v] = np.inf
             done[v] = False
@@ -496,13 +461,11 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
         for v in range(m + 1):
             if sup[v] > 0:
                 dist[v] = -pot[v]
-                hs = _fpush(hk, hv, hs, dist[v], v)
+                _hpush(hk, hv, hs, 0, dist[v], v)
         while True:
             u = -1
-            while hs > 0:
-                d0 = hk[0]
-                u0 = hv[0]
-                hs = _fpop(hk, hv, hs)
+            while hs[0] > 0:
+                d0, u0 = _hpop(hk, hv, hs, 0)
                 if not done[u0] and d0 <= dist[u0]:
                     u = u0
                     break
@@ -517,7 +480,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
                 if nd < dist[T]:
                     dist[T] = nd
                     pe[T] = -2 - u
-                    hs = _fpush(hk, hv, hs, nd, T)
+                    _hpush(hk, hv, hs, 0, nd, T)
             for k in range(deg[u], deg[u + 1]):
                 x = inc[k]
                 e = x >> 1
@@ -535,7 +498,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
                 if nd < dist[v]:
                     dist[v] = nd
                     pe[v] = x
-                    hs = _fpush(hk, hv, hs, nd, v)
+                    _hpush(hk, hv, hs, 0, nd, v)
         dT = dist[T]
         for v in range(V):
             pot[v] += dist[v] if (done[v] and dist[v] < dT) else dT
