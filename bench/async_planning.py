@@ -20,7 +20,8 @@ rounds so that the machine's drift hits all alike:
 Each step's time is the slowest rank's ``pipe.step`` (split, plan delivery, execution, all-reduces); no optimizer
 step, so every mode runs on the same weights.  The table gives the mean and median step time per mode, their
 ratios to the precomputed mode (acceptance: async within 2%), the same ratio paired by round (each round's ratio of
-mean step times, its median over the rounds: the modes of one round see the same machine state), the training
+mean step times, its median over the rounds: the modes of one round see the same machine state, and the mean of
+those ratios with its 95% interval: within 2% is shown only when the whole interval is), the training
 thread's planning-path time per step and the background planner's time per plan.  On this 2-core machine the
 planner process shares the cores with the two ranks, so what it costs the ranks shows up in the async row.
 After the warm-up every rank runs ``gc.collect(); gc.freeze()``, as the main job does: without it a
@@ -86,6 +87,19 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds):
     return all_gather_json(mine, what="bench figures")
 
 
+def _interval(xs) -> str:
+    """The mean of ``xs`` and its two-sided 95% Student-t interval (the rounds taken as independent draws), e.g.
+    ``1.030 (0.990 - 1.070)``: a ratio whose interval holds 1 +- 0.02 is shown within 2%; one whose interval is
+    wider than that is not shown either way."""
+    from scipy.stats import t
+
+    mean = statistics.fmean(xs)
+    if len(xs) < 2:
+        return f"{mean:.3f}"
+    half = t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
+    return f"{mean:.3f} ({mean - half:.3f} - {mean + half:.3f})"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="vlm", choices=["vlm", "llava", "t2v"])
@@ -125,16 +139,18 @@ def main(argv=None) -> None:
              f"{args.batch_size} --microbatches {args.microbatches} --rounds {args.rounds}` ({wall:.0f} s). Step "
              "time: the slowest rank's `pipe.step`; plan path: rank 0's time from the step's start to the plan's "
              "delivery; ratios to the precomputed mode: of the mean step times, of the medians, and the median "
-             "(min - max) over rounds of each round's ratio of means.", "",
+             "(min - max) over rounds of each round's ratio of means, and their mean with its 95% Student-t "
+             "interval (within 2% is shown only when the whole interval is inside 0.98 - 1.02).", "",
              "| mode | mean step ms | median step ms | mean vs precomputed | median vs precomputed | "
-             "per-round ratio median (min - max) | rank-0 plan path ms | plan sources |",
-             "|---|---|---|---|---|---|---|---|"]
+             "per-round ratio median (min - max) | per-round ratio mean, 95% interval | rank-0 plan path ms | "
+             "plan sources |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for m, ts in step.items():
         pp = statistics.fmean(res[0]["plan_path"][m]) * 1e3
         rr = round_ratios(m)
         lines.append(f"| {m} | {statistics.fmean(ts) * 1e3:.1f} | {statistics.median(ts) * 1e3:.1f} | "
                      f"{statistics.fmean(ts) / base:.3f} | {statistics.median(ts) / med_base:.3f} | "
-                     f"{statistics.median(rr):.3f} ({min(rr):.3f} - {max(rr):.3f}) | {pp:.1f} | "
+                     f"{statistics.median(rr):.3f} ({min(rr):.3f} - {max(rr):.3f}) | {_interval(rr)} | {pp:.1f} | "
                      f"{', '.join(res[0]['sources'][m])} |")
     import os
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
