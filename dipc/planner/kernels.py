@@ -372,6 +372,16 @@ def relax_inputs(act, ra, rb, n_rows, path_ptr, path, c_ptr, c_mem, c_extra, seg
 
 
 @njit(cache=True)
+def _residual(x, tail, head, cap, flow, rate):
+    """Residual arc ``x`` of :func:`interval_cover_lp` (``2 e``: along arc ``e``, ``2 e + 1``: against it): ``(the
+    node it leads to, capacity left, cost a unit)``."""
+    e = x >> 1
+    if x & 1:
+        return tail[e], flow[e], -rate[e]
+    return head[e], cap[e] - flow[e], rate[e]
+
+
+@njit(cache=True)
 def interval_cover_lp(m, need, lo, hi, cost, save):
     """``min sum(cost * z)`` subject to ``sum(save[s] * z[s] for s with lo[s] <= q < hi[s]) >= need[q]`` for each
     row ``q`` of ``m`` and ``0 <= z <= 1``: the memory ILP's relaxation (DIP §2.5; :meth:`dipc.planner.memory.
@@ -483,15 +493,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
                     _hpush(hk, hv, hs, 0, nd, T)
             for k in range(deg[u], deg[u + 1]):
                 x = inc[k]
-                e = x >> 1
-                if x & 1:
-                    v = tail[e]
-                    r = flow[e]
-                    c = -rate[e]
-                else:
-                    v = head[e]
-                    r = cap[e] - flow[e]
-                    c = rate[e]
+                v, r, c = _residual(x, tail, head, cap, flow, rate)
                 if r <= eps or done[v]:
                     continue
                 nd = du + c + pot[u] - pot[v]
@@ -545,15 +547,7 @@ def interval_cover_lp(m, need, lo, hi, cost, save):
                     moved = False
                     while cur[u] < deg[u + 1]:
                         x = inc[cur[u]]
-                        e = x >> 1
-                        if x & 1:
-                            v = tail[e]
-                            r = flow[e]
-                            c = -rate[e]
-                        else:
-                            v = head[e]
-                            r = cap[e] - flow[e]
-                            c = rate[e]
+                        v, r, c = _residual(x, tail, head, cap, flow, rate)
                         # reduced cost 0 up to rounding, relative to the terms (one global tolerance let a
                         # segment saving next to nothing at a high cost make real differences look like ties)
                         if r > eps and mark[v] == 0 and c + pot[u] - pot[v] <= 1e-12 * (abs(c) + abs(pot[u])
