@@ -53,15 +53,40 @@ class ValueMeta:
         """
         out = []
         for s in self.shape:
-            if isinstance(s, int):
-                out.append(s)
-                continue
-            v = sympy.sympify(s.xreplace(bindings))
-            if not v.is_number:
-                raise CodegenError(f"size {s} depends on data ({v.free_symbols} unknown); data-dependent shapes "
-                                   "cannot cross chunks")
-            out.append(int(v))
+            out.append(s if isinstance(s, int) else _size(s, bindings))
         return tuple(out)
+
+
+# a size expression's value at given symbol values: the per-batch path (one stage graph per step, planned in the
+# background) evaluates the same few expressions at the same few sizes over and over, and sympy's substitution is
+# its dearest part.  Keyed by the expression and its free symbols' values; cleared when it grows past a bound.
+_SIZES: dict[tuple, int] = {}
+_FREE: dict[Any, tuple] = {}
+_SIZES_MAX = 1 << 16
+
+
+def _size(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
+    syms = _FREE.get(expr)
+    if syms is None:
+        syms = _FREE[expr] = tuple(sorted(getattr(expr, "free_symbols", ()), key=str))
+    try:
+        key = (expr, tuple(bindings[x] for x in syms))
+    except KeyError:  # a symbol without a value: the general path says which
+        key = None
+    if key is not None:
+        v = _SIZES.get(key)
+        if v is not None:
+            return v
+    v = sympy.sympify(expr.xreplace(bindings))
+    if not v.is_number:
+        raise CodegenError(f"size {expr} depends on data ({v.free_symbols} unknown); data-dependent shapes "
+                           "cannot cross chunks")
+    v = int(v)
+    if key is not None:
+        if len(_SIZES) >= _SIZES_MAX:
+            _SIZES.clear()
+        _SIZES[key] = v
+    return v
 
 
 @dataclasses.dataclass(frozen=True)

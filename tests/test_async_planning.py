@@ -191,3 +191,46 @@ def test_async_planning_fallbacks_and_no_pickle_2_ranks():
     out = spawn(_scenarios, 2, (), timeout=TIMEOUT)
     for label in ("async", "slow", "fail", "killed"):  # every rank ran the same schedules from the same sources
         assert [s[:2] for s in out[0][label]] == [s[:2] for s in out[1][label]], label
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["vlm", "t2v"])
+def test_planner_frame_without_float_values_plans_the_same(case):
+    """The background planner gets floating-point tensors (pixel values, latents, timesteps) as shape and dtype
+    only: the stage graph, its digest and the plan it makes from that frame are those of the whole batch, for every
+    batch of the case (text-only microbatches first included), and the frame carries only the integer tensors'
+    bytes."""
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.planner.background import decode_batch, encode_batch
+    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner.workload import step_digest
+
+    torch.manual_seed(0)
+    model, batches = (pc.vlm(), pc.vlm_batches_mixed()) if case == "vlm" else (pc.t2v(), pc.t2v_batches())
+    kw = {"sub_microbatch_size": {"vision": 2}} if case == "vlm" else {}
+    compiled = dipc.compile(model, batches[0], 2, **kw)
+    assert any(v.is_floating_point() for v in batches[0].values() if isinstance(v, torch.Tensor))
+    for i, batch in enumerate(batches):
+        full = encode_batch({"step": i}, batch)
+        frame = encode_batch({"step": i}, batch, float_values=False)
+        ints = sum(v.numel() * v.element_size() for v in batch.values()
+                   if isinstance(v, torch.Tensor) and not v.is_floating_point())
+        assert len(frame) <= len(full) + 1 and len(frame) - ints < 4096, (len(frame), len(full), ints)
+        head, meta = decode_batch(frame)
+        assert head == {"step": i} and meta.keys() == batch.keys()
+        for k, v in batch.items():
+            if isinstance(v, torch.Tensor):
+                assert meta[k].shape == v.shape and meta[k].dtype == v.dtype, k
+                if v.is_floating_point():
+                    assert not meta[k].any(), k
+                else:
+                    assert torch.equal(meta[k], v), k
+        want_w = build_workload(compiled, split_for(compiled, batch, 2))
+        got_w = build_workload(compiled, split_for(compiled, meta, 2))
+        assert step_digest(compiled, got_w) == step_digest(compiled, want_w), f"batch {i}"
+        want = make_plan(compiled, want_w, i, budget_s=0.0).to_json()
+        got = make_plan(compiled, got_w, i, budget_s=0.0).to_json()
+        assert got == want, f"batch {i}: the plan made from the frame differs"
