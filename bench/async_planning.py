@@ -2,7 +2,7 @@
 
     python bench/async_planning.py                 # the reference VLM, 2 CPU ranks, 12 batches x 8 rounds
     python bench/async_planning.py --model llava   # the main job's default model (re-captures per image count)
-    python bench/async_planning.py --modes async --rounds 300   # the acceptance figure: only the two modes it needs
+    python bench/async_planning.py --modes async --rounds 1000  # the acceptance figure (+-0.5%; 29 min here)
     python bench/async_planning.py --out docs/bench_async_planning.md
 
 DIP §2.2 plans step t+1 in a background process while step t runs.  On 2 CPU ranks (gloo, one thread each) every
@@ -30,9 +30,9 @@ step-time ratio over the round's steady steps (every step but the round's first,
 no plan made ahead yet): the batches differ in cost (images, tokens) by up to 2x, and pairing each step with the
 same batch's step in the other mode takes that out of the comparison.  Each is the mean over rounds with its 95%
 Student-t interval; the acceptance (async within 2%) is shown only when the whole interval of the paired ratio is
-inside 0.98 - 1.02.  On a shared 2-core VM one round's ratio varies by about +-10%, so that takes a few hundred
-rounds (``--modes async`` runs two modes per round: 300 rounds are about 10 minutes at the reference VLM's
-70 ms steps).  Also given: the training thread's planning-path time per step, the background planner's time per
+inside 0.98 - 1.02.  On a shared 2-core VM one round's paired ratio varies by about +-8%, so that takes hundreds
+of rounds (``--modes async`` runs two modes per round: 300 rounds, +-0.8%, are about 9 minutes at the reference
+VLM's 71 ms steps; 1000 rounds, +-0.5%, about 29).  Also given: the training thread's planning-path time per step, the background planner's time per
 plan, and stalls (steps over 1.5x the mode's median) per mode.  On a 2-core machine the planner process shares the
 cores with the two ranks, so what it costs the ranks shows up in the async row.
 After the warm-up every rank runs ``gc.collect(); gc.freeze()``, as the main job does: without it a
