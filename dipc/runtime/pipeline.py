@@ -595,12 +595,12 @@ class PipelineRuntime:
             from ..plan import forward_only as drop_backwards
 
             plan = drop_backwards(make_plan(self.compiled, w, self.step_index, schedule=schedule, check=False))
-            validate(plan)
-            plan._validated = plan.digest()
-            return plan
-        return make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
-                         budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
-                         seed=self.seed + self.step_index)
+        else:
+            plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
+                             budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
+                             seed=self.seed + self.step_index, check=False)
+        validate(plan)  # plan_step writes its JSON text once, and marks it validated by that text's digest
+        return plan
 
     def _workload(self, microbatches: list[Microbatch], amp=None) -> StepWorkload:
         w = build_workload(self.compiled, microbatches, amp)
@@ -660,8 +660,9 @@ class PipelineRuntime:
                         missing, extra = sorted(set(w.graph.stages) - have)[:3], sorted(have - set(w.graph.stages))[:3]
                         raise PlanError(f"the given plan is not for this batch split into {n} microbatches: its "
                                         f"stages miss {missing} and have {extra} this step does not")
-                    if getattr(given, "_validated", None) != given.digest():  # validated, and not changed since
-                        validate(given)
+                    given_text = given.to_json()
+                    if getattr(given, "_validated", None) != Plan.text_digest(given_text):  # validated, and not
+                        validate(given)  # changed since
                     check_strategies(w, given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
@@ -707,10 +708,14 @@ class PipelineRuntime:
                         name = fb
                 if plan is None:
                     plan = self._make(w, name, forward_only)
-                text = reply["plan"] if info["source"] == "async" else plan.to_json()
-                text_digest = Plan.text_digest(text)
                 if info["source"] == "async":
-                    plan._validated = text_digest
+                    text = reply["plan"]
+                elif info["source"] == "given" and given.step == self.step_index:
+                    text = given_text
+                else:
+                    text = plan.to_json()
+                text_digest = Plan.text_digest(text)
+                plan._validated = text_digest  # validated here, by _make or by the background planner
                 header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
                           "plan": text, "plan_digest": text_digest, "source": info["source"],
                           "why": info["why"]}
