@@ -500,6 +500,27 @@ class CompiledPipeline:
                         raise BatchError(f"chunk {c} ({inst.modality}) reads {i.name!r} from a {mod_of[i.src_chunk]} "
                                          "chunk: it cannot run on sub-microbatches")
 
+    def _candidates(self, traced: Mapping[str, Any]) -> list[Program]:
+        """The programs whose capture has ``traced``'s keys, static-dim values and Python values (what
+        :meth:`dipc.capture.Capture.fits` compares), in :attr:`programs` order: a dict lookup per distinct set of
+        static dims instead of a scan of every capture, which every stage of every step made (LLaVA captures once
+        per image count: dozens of programs)."""
+        from .capture import python_values, signature_of
+
+        index = getattr(self, "_program_index", None)
+        if index is None or index[0] is not self.programs or index[1] != len(self.programs):
+            groups: dict[tuple, dict[tuple, list[int]]] = {}
+            for i, prog in enumerate(self.programs):
+                cap = prog.capture
+                groups.setdefault(tuple(cap.specialized), {}).setdefault(
+                    (cap.keys, tuple(cap.signature), tuple(cap.values)), []).append(i)
+            index = self._program_index = (self.programs, len(self.programs), groups)
+        keys, values = frozenset(traced), python_values(traced)
+        found: list[int] = []
+        for specialized, table in index[2].items():
+            found.extend(table.get((keys, signature_of(traced, specialized), values), ()))
+        return [self.programs[i] for i in sorted(found)]
+
     def program_for(self, data: Mapping[str, torch.Tensor], whole: bool = True) -> Program:
         """A program whose graph fits ``data``: every dim static in that capture (fixed by the model, by
         torch.export's 0/1 rule or by the user) has ``data``'s value.  Captured on first use and cached; a new capture
@@ -525,8 +546,8 @@ class CompiledPipeline:
                         for n in g.nodes if n.op == "call_function"]
             if ops(other.graph) != ops(self.program.capture.graph):
                 self.mode_dependent = True
-        for prog in self.programs:  # a capture fits when every dim static in *its* graph has the batch's value
-            if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):
+        for prog in self._candidates(traced):  # a capture fits when every dim static in *its* graph has the
+            if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):  # batch's value
                 return prog
         if not getattr(self, "allow_capture", True):  # rank 0's background planner: the training process captures
             raise NeedsCapture(f"no capture of {type(self.model).__name__} fits a microbatch with shapes "

@@ -26,8 +26,8 @@ import json
 from collections import defaultdict
 from typing import Callable, Iterable
 
-__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "dry_run", "replay", "stage_key",
-           "recomputed_blocks", "recompute_layout", "forward_only"]
+__all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "check_types", "dry_run", "replay",
+           "stage_key", "recomputed_blocks", "recompute_layout", "forward_only"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -163,7 +163,8 @@ class Action:
     @staticmethod
     def from_json(d: dict) -> "Action":
         d = dict(d)
-        d["tensors"] = tuple(TensorSpec(n, tuple(s), t) for n, s, t in d.get("tensors", []))
+        d["tensors"] = tuple(TensorSpec(n, tuple(s) if isinstance(s, list) else s, t)
+                             for n, s, t in d.get("tensors", []))
         return Action(**d)
 
 
@@ -235,38 +236,39 @@ class Plan:
         """The plan :meth:`to_json` wrote (format 2, or format 1: one object per action, as dipc wrote before).
 
         Raises:
-            PlanError: ``text`` is not JSON, or not a plan (a field missing or of the wrong type, a tensor set
-                index out of range), naming what.
+            PlanError: ``text`` is not JSON, or not a plan (a field missing or of the wrong type, :func:`check_types`;
+                a tensor set index out of range), naming what.
         """
         try:
             d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError(f"the text holds a {type(d).__name__}, not an object")
             if d.get("format", 1) == 2:
-                sets = [tuple(TensorSpec(str(n), tuple(int(x) for x in s), str(t)) for n, s, t in ts)
+                sets = [tuple(TensorSpec(n, tuple(s) if isinstance(s, list) else s, t) for n, s, t in ts)
                         for ts in d["tensor_sets"]]
                 ranks = []
                 for acts in d["ranks"]:
                     out = []
                     for row in acts:
+                        if type(row) is not list or not 3 <= len(row) <= 10:
+                            raise ValueError(f"an action is an array of 3 to 10 fields, got {str(row)[:60]}")
                         if len(row) > 8:
                             row = list(row)
-                            if row[8] >= 0:
-                                row[8] = sets[row[8]]
-                            elif row[8] == -1:
-                                row[8] = ()
-                            else:
-                                raise ValueError(f"tensor set index {row[8]} in {row}")
+                            if not _is_int(row[8]) or row[8] < -1:
+                                raise ValueError(f"tensor set index {row[8]!r} in {row}")
+                            row[8] = sets[row[8]] if row[8] >= 0 else ()
                         out.append(Action(*row))
                     ranks.append(out)
             elif d.get("format", 1) != 1:
                 raise ValueError(f"unknown plan format {d['format']!r}")
             else:
                 ranks = [[Action.from_json(a) for a in acts] for acts in d["ranks"]]
-            plan = Plan(step=int(d["step"]), chunk_ranks=[int(r) for r in d["chunk_ranks"]], ranks=ranks,
-                        deps={str(k): [str(x) for x in v] for k, v in d["deps"].items()},
-                        microbatches=list(d.get("microbatches", [])), simulated=dict(d.get("simulated", {})),
-                        forward_only=bool(d.get("forward_only", False)))
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise PlanError(f"not a dipc plan: {type(e).__name__}: {e}") from None
+            plan = Plan(step=d["step"], chunk_ranks=d["chunk_ranks"], ranks=ranks, deps=d["deps"],
+                        microbatches=d.get("microbatches", []), simulated=d.get("simulated", {}),
+                        forward_only=d.get("forward_only", False))
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+            raise PlanError(f"not a dipc plan: {type(e).__name__}: {str(e)[:200]}") from None
+        check_types(plan)
         return plan
 
     def digest(self) -> str:
@@ -284,6 +286,76 @@ class Plan:
             for a in acts:
                 if a.kind in COMPUTE:
                     yield r, a
+
+
+_DTYPES: set[str] | None = None
+
+
+def _dtype_names() -> set[str]:
+    global _DTYPES
+    if _DTYPES is None:
+        import torch
+
+        _DTYPES = {str(v).removeprefix("torch.") for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    return _DTYPES
+
+
+def _is_int(x) -> bool:
+    return type(x) is int  # not bool, not float, not a numeric string
+
+
+def check_types(plan: Plan) -> None:
+    """Check that every field of ``plan`` has its type (ints are ints, not bools, floats or strings; a tensor's
+    shape non-negative ints, its dtype a torch dtype's name): a plan read from JSON or built by hand with, e.g., a
+    chunk ``"0"`` would compare unequal to every stage and run wrong rather than fail.  :func:`validate` and
+    :meth:`Plan.from_json` call it.
+
+    Raises:
+        PlanError: naming the first field of the wrong type, and where it is.
+    """
+    if not _is_int(plan.step):
+        raise PlanError(f"the plan's step must be an int, got {plan.step!r}")
+    if type(plan.forward_only) is not bool:
+        raise PlanError(f"the plan's forward_only must be a bool, got {plan.forward_only!r}")
+    if not isinstance(plan.chunk_ranks, list) or not all(_is_int(r) and r >= 0 for r in plan.chunk_ranks):
+        raise PlanError(f"the plan's chunk_ranks must be a list of ranks (ints >= 0), got {plan.chunk_ranks!r}")
+    if not isinstance(plan.deps, dict) or not all(
+            type(k) is str and isinstance(v, list) and all(type(x) is str for x in v) for k, v in plan.deps.items()):
+        raise PlanError("the plan's deps must map stage keys (str) to lists of stage keys")
+    if not isinstance(plan.microbatches, list) or not all(isinstance(m, dict) for m in plan.microbatches):
+        raise PlanError(f"the plan's microbatches must be a list of dicts, got {str(plan.microbatches)[:80]}")
+    if not isinstance(plan.simulated, dict):
+        raise PlanError(f"the plan's simulated figures must be a dict, got {type(plan.simulated).__name__}")
+    if not isinstance(plan.ranks, list) or not all(isinstance(acts, list) for acts in plan.ranks):
+        raise PlanError("the plan's ranks must be a list of per-rank action lists")
+    kinds = COMPUTE + SENDS + RECVS
+    checked: set[int] = set()  # tensor lists shared by many actions (format 2) are checked once
+    dtypes = None
+    for r, acts in enumerate(plan.ranks):
+        for i, a in enumerate(acts):
+            if type(a) is not Action:
+                raise PlanError(f"action {i} of rank {r} is a {type(a).__name__}, not an Action")
+            if not (a.kind in kinds and _is_int(a.chunk) and _is_int(a.mb) and _is_int(a.sub)
+                    and _is_int(a.peer_rank) and _is_int(a.peer_chunk) and _is_int(a.peer_sub) and _is_int(a.msg)
+                    and type(a.strategy) is str and type(a.tensors) is tuple):
+                bad = [f"{k}={getattr(a, k)!r}" for k in ("chunk", "mb", "sub", "peer_rank", "peer_chunk",
+                                                          "peer_sub", "msg") if not _is_int(getattr(a, k))]
+                if a.kind not in kinds:
+                    bad.insert(0, f"kind={a.kind!r} (one of {list(kinds)})")
+                if type(a.strategy) is not str:
+                    bad.append(f"strategy={a.strategy!r}")
+                if type(a.tensors) is not tuple:
+                    bad.append(f"tensors={a.tensors!r}")
+                raise PlanError(f"action {i} of rank {r} has fields of the wrong type: {', '.join(bad)}")
+            if a.tensors and id(a.tensors) not in checked:
+                checked.add(id(a.tensors))
+                dtypes = dtypes or _dtype_names()
+                for t in a.tensors:
+                    if not (type(t) is TensorSpec and type(t.name) is str and type(t.shape) is tuple
+                            and all(_is_int(x) and x >= 0 for x in t.shape) and t.dtype in dtypes):
+                        raise PlanError(f"action {i} of rank {r} ({a.kind}, message {a.msg!r}) carries a malformed "
+                                        f"tensor spec {t!r}: a str name, a shape of ints >= 0 and a torch dtype's "
+                                        "name")
 
 
 def forward_only(plan: Plan) -> Plan:
@@ -312,11 +384,12 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
         actions in this order in one process is a faithful single-process execution of the plan.
 
     Raises:
-        PlanError: naming the first problem found (unmatched send/receive, tensor mismatch, out-of-order
-            messages between a rank pair, missing/duplicate/misplaced stage, broken dependency, deadlock, an
-            incomplete plan: a forward without its backward or the other way round, a microbatch without stages;
-            a backward in a forward-only plan).
+        PlanError: naming the first problem found (a field of the wrong type, :func:`check_types`; unmatched
+            send/receive, tensor mismatch, out-of-order messages between a rank pair, missing/duplicate/misplaced
+            stage, broken dependency, deadlock, an incomplete plan: a forward without its backward or the other way
+            round, a microbatch without stages; a backward in a forward-only plan).
     """
+    check_types(plan)
     sends: dict[int, tuple[int, int, Action]] = {}
     recvs: dict[int, tuple[int, int, Action]] = {}
     where: dict[str, tuple[int, int]] = {}

@@ -151,6 +151,26 @@ def _scenarios(rank, world):
     finally:
         pipe.close()
 
+    # a plan handed over that validates on its own but lacks a gradient message (and the dependency it carried):
+    # it would run and leave gradients short; refused on every rank (a break-it run), and the next step is exact
+    from dipc.plan import PlanError
+    from dipc.runtime import build_workload, make_plan, split_for
+
+    pipe = compiled.runtime(n_microbatches=2, timeout=60)
+    try:
+        plan = make_plan(compiled, build_workload(compiled, split_for(compiled, steps[0], 2)), 0)
+        s = next(a for acts in plan.ranks for a in acts if a.kind == "SEND_B" and a.tensors)
+        short = copy.deepcopy(plan)
+        short.ranks = [[a for a in acts if a.msg != s.msg] for acts in short.ranks]
+        short.deps = {k: [d for d in v if not (k == s.peer_stage and d == s.stage)] for k, v in short.deps.items()}
+        dipc.validate(short)
+        with pytest.raises(PlanError, match="but the plan has no message for it"):
+            pipe.step(steps[0], plan=short)
+        loss = pipe.step(steps[0], plan=plan)
+        _compare(pipe, ref, steps[0], loss, rank, "the given plan after a refused one")
+    finally:
+        pipe.close()
+
     # nothing pickled reaches a socket: unpickling fails in this rank from here on
     def refuse(*a, **k):
         raise AssertionError("pickle was used to read a message")
@@ -185,6 +205,24 @@ def _scenarios(rank, world):
     assert {e["rank"] for e in events} == set(range(world))
     return out
 
+
+
+def test_prefetch_copies_each_batch_before_reading_the_next():
+    """A loader may refill one dict in place (found by a break-it run: step 0 got batch 1's data): each batch
+    prefetch yields is the one at its position, and its next_batch the one after it."""
+    import torch
+
+    import dipc
+
+    def refilling(n):
+        d = {}
+        for i in range(n):
+            d["x"] = torch.full((2,), float(i))
+            yield d
+
+    got = [(float(b["x"][0]), None if b.next_batch is None else float(b.next_batch["x"][0]))
+           for b in dipc.prefetch(refilling(3))]
+    assert got == [(0.0, 1.0), (1.0, 2.0), (2.0, None)], got
 
 @pytest.mark.timeout(300)
 def test_async_planning_fallbacks_and_no_pickle_2_ranks():

@@ -362,6 +362,35 @@ def test_limits_are_monotone_and_bad_planning_arguments_are_refused():
     _, plan = dipc.simulate(c, b, 12)
     with pytest.raises(PlanError, match="the plan is not for this batch split into 6 microbatches"):
         run_local(c, b, 6, plan=plan)
+    # a plan that validates on its own but not as this step's: a gradient message one tensor short, or gone with
+    # its dependency, ran and left gradients short; chunks on other ranks failed inside the executor (break-it run)
+    import copy
+    import dataclasses
+
+    from dipc.plan import Plan
+    s = next(a for acts in plan.ranks for a in acts if a.kind == "SEND_B" and a.tensors)
+    short = copy.deepcopy(plan)
+    short.ranks = [[dataclasses.replace(a, tensors=a.tensors[:-1]) if a.msg == s.msg else a for a in acts]
+                   for acts in short.ranks]
+    dipc.validate(short)
+    with pytest.raises(PlanError, match=f"message from stage {s.stage} to stage {s.peer_stage} carries"):
+        run_local(c, b, 12, plan=short)
+    short.ranks = [[a for a in acts if a.msg != s.msg] for acts in short.ranks]
+    short.deps = {k: [d for d in v if not (k == s.peer_stage and d == s.stage)] for k, v in short.deps.items()}
+    dipc.validate(short)
+    with pytest.raises(PlanError, match="but the plan has no message for it"):
+        run_local(c, b, 12, plan=short)
+    swapped = copy.deepcopy(plan)
+    swapped.chunk_ranks = [1 - r for r in plan.chunk_ranks]
+    swapped.ranks = swapped.ranks[::-1]
+    swapped.ranks = [[dataclasses.replace(a, peer_rank=1 - a.peer_rank) if a.peer_rank >= 0 else a for a in acts]
+                     for acts in swapped.ranks]
+    dipc.validate(swapped)
+    with pytest.raises(PlanError, match="the plan puts chunks on ranks"):
+        run_local(c, b, 12, plan=swapped)
+    _, searched = dipc.simulate(c, b, 12, budget_s=0.05, seed=0)  # its search history reads back alike
+    assert searched.simulated["search"]["best_over_time"]
+    assert Plan.from_json(searched.to_json()) == searched
     with pytest.raises(ValueError, match="one_segment=True cuts the whole model as one module"):
         dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, one_segment=True, modalities={"vision": ["vision_tower"]})
     with pytest.raises(ValueError, match="one_segment must be True or False"):

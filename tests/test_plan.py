@@ -65,6 +65,46 @@ def test_json_format_2_round_trips_every_field_and_format_1_still_reads():
     with pytest.raises(PlanError, match="unknown plan format 3"):
         Plan.from_json(json.dumps(dict(json.loads(text), format=3)))
 
+
+def test_plans_of_the_wrong_types_are_refused_by_name():
+    """Found by a break-it run: from_json coerced a step of 2.9 or "5", read forward_only "false" as True, took a
+    chunk "0", a msg of false or a shape [-2, 4] and validate() then passed them or failed with a TypeError; an
+    infinite step or shape or deeply nested text raised OverflowError / RecursionError.  Each is a PlanError naming
+    it."""
+    import json
+
+    text = two_rank_plan().to_json()
+    d = json.loads(text)
+    send = next(i for i, r in enumerate(d["ranks"][0]) if r[0] == "SEND_F")
+
+    def mut(path, value):
+        x = json.loads(text)
+        o = x
+        for k in path[:-1]:
+            o = o[k]
+        o[path[-1]] = value
+        return json.dumps(x)
+
+    cases = [(text.replace('"step":0', '"step":Infinity'), "step must be an int, got inf"),
+             (mut(["tensor_sets", 0, 0, 1], [float("inf")]), "malformed tensor spec"),
+             ("[" * 100000 + "]" * 100000, "RecursionError"),
+             (mut(["step"], 2.9), "step must be an int, got 2.9"), (mut(["step"], "5"), "step must be an int"),
+             (mut(["forward_only"], "false"), "forward_only must be a bool"),
+             (mut(["microbatches"], "ab"), "microbatches must be a list of dicts"),
+             (mut(["ranks", 0, send, 1], "0"), "chunk='0'"), (mut(["ranks", 0, send, 4], 1.0), "peer_rank=1.0"),
+             (mut(["ranks", 0, send, 7], False), "msg=False"), (mut(["ranks", 0, 0], "F00"), "3 to 10 fields"),
+             (mut(["tensor_sets", 0, 0, 1], [-2, 4]), "malformed tensor spec"),
+             (mut(["tensor_sets", 0, 0, 2], None), "malformed tensor spec"),
+             (mut(["deps", next(iter(d["deps"]))], "abc"), "deps must map stage keys"),
+             (mut(["chunk_ranks"], [0, "1"]), "chunk_ranks must be a list of ranks")]
+    for bad, why in cases:
+        with pytest.raises(PlanError, match=why):
+            Plan.from_json(bad)
+    p = two_rank_plan()  # built by hand in Python: validate names it too
+    p.ranks[0][0] = Action("F", "0", 0)
+    with pytest.raises(PlanError, match="action 0 of rank 0 has fields of the wrong type: chunk='0'"):
+        validate(p)
+
 def test_shape_mismatch_is_named():
     bad = (TensorSpec("h", (2, 5), "float32"),)
     with pytest.raises(PlanError, match=r"message 0: .*\(2, 4\).*\(2, 5\)"):

@@ -48,7 +48,8 @@ class SearchResult:
         rollouts: permutations scored.
         iterations: tree iterations run.
         exhausted: True when the whole tree was explored (``order`` is then optimal).
-        history: ``(seconds since the start, best time so far)`` at every improvement.
+        history: ``[seconds since the start, best time so far]`` at every improvement (lists: the plan carries
+            them in :attr:`dipc.plan.Plan.simulated` and reads them back from JSON alike).
         seconds: wall time of the search.
         improved: set by the caller when it takes ``order`` over its own schedule.
     """
@@ -153,7 +154,7 @@ def _mcts(groups, score, budget_s, seed, alpha, beta, rollouts, max_iterations, 
         res.rollouts += 1
         if t < res.time:
             res.order, res.time = list(perm), t
-            res.history.append((time.perf_counter() - t0, res.time))
+            res.history.append([time.perf_counter() - t0, res.time])  # a list: as it reads back from JSON
 
     def evaluate(perm: list) -> float:
         key = tuple(perm)

@@ -373,6 +373,59 @@ def check_strategies(w: StepWorkload, plan) -> None:
                             f"{a.chunk} runs {n} layer(s) in this step's capture: recompute at most {n}")
 
 
+def check_matches(w: StepWorkload, plan, chunk_ranks) -> None:
+    """Check that ``plan`` is a plan of this step's stage graph, beyond what :func:`dipc.plan.validate` checks (the
+    plan's consistency with itself): its chunks live on the ranks ``chunk_ranks`` (the compiled partition's), it has
+    every compute stage of the graph and no other, every message carries exactly the tensors (names, shapes, dtypes)
+    that its edge of the graph carries, it has a message for every edge that carries tensors between ranks and none
+    the graph lacks, and its dependencies include every edge of the graph.  A plan that validates on its own but
+    leaves out a gradient message (and its dependency) would run and leave gradients short, silently; one made for
+    a batch with other sequence lengths would fail inside the executor.  Run on a plan the caller hands over
+    (``pipe.step(batch, plan=p)``, :func:`dipc.runtime.run_local`); dipc's own plans are lowered from the graph.
+
+    Raises:
+        PlanError: naming the first difference."""
+    from ..plan import SENDS
+
+    if list(plan.chunk_ranks) != list(chunk_ranks):
+        raise PlanError(f"the plan puts chunks on ranks {list(plan.chunk_ranks)}, the compiled pipeline on "
+                        f"{list(chunk_ranks)}")
+    fwd = plan.forward_only
+    want = {k for k in w.graph.stages if not fwd or k[0] == "F"}
+    have = {a.stage for _, a in plan.compute_actions()}
+    if want != have:
+        missing, extra = sorted(want - have)[:3], sorted(have - want)[:3]
+        raise PlanError(f"the plan is not for this batch split into {len(w.microbatches)} microbatches: its stages "
+                        f"miss {missing} and have {extra} this step does not")
+    need = {(e.src, e.dst): e.tensors for e in w.graph.edges if e.tensors and (not fwd or e.src[0] == "F")}
+    sent: dict[tuple[str, str], tuple] = {}
+    for r, acts in enumerate(plan.ranks):
+        for a in acts:
+            if a.kind in SENDS:
+                key = (a.stage, a.peer_stage)
+                if key in sent:
+                    raise PlanError(f"the plan sends twice from stage {key[0]} to stage {key[1]} (rank {r}); this "
+                                    "step's stage graph has one message per edge")
+                sent[key] = a.tensors
+    for key, tensors in need.items():
+        got = sent.get(key)
+        if got is None:
+            raise PlanError(f"this step's stage graph sends {[t.name for t in tensors]} from stage {key[0]} to stage "
+                            f"{key[1]}, but the plan has no message for it")
+        if tuple(got) != tuple(tensors):
+            raise PlanError(f"the plan's message from stage {key[0]} to stage {key[1]} carries "
+                            f"{[(t.name, list(t.shape), t.dtype) for t in got]}, this step's stage graph "
+                            f"{[(t.name, list(t.shape), t.dtype) for t in tensors]}")
+    extra = sorted(set(sent) - set(need))
+    if extra:
+        raise PlanError(f"the plan sends from stage {extra[0][0]} to stage {extra[0][1]}, an edge this step's stage "
+                        "graph does not have")
+    for e in w.graph.edges:
+        if (not fwd or e.src[0] == "F") and e.src not in plan.deps.get(e.dst, ()):
+            raise PlanError(f"stage {e.dst} depends on stage {e.src} in this step's stage graph, but not in the "
+                            "plan's deps")
+
+
 def group_rebuild_need(options, g: int) -> float:
     """Bytes a pair's backward must be able to rebuild when all its ``n`` layers recompute in checkpoints of
     ``min(g, n)`` layers ("recompute:n/g" of :func:`memory_options`; g = 1 is :func:`rebuild_need`); a pair

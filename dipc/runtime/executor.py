@@ -16,7 +16,7 @@ from ..schedule import Stage
 
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport
-from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, check_strategies, set_recompute, split_for
+from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, check_matches, check_strategies, set_recompute, split_for
 from ..planner.planning import make_plan
 
 
@@ -462,15 +462,11 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     w = build_workload(compiled, mbs, autocast_state(torch.device("cpu")))
     if recompute:
         set_recompute(w, recompute)
-    if plan is not None:  # a plan made for another batch or microbatch count would fail deep in the executor
-        want = {k for k in w.graph.stages}
-        have = {a.stage for _, a in plan.compute_actions()}
-        if want != have:
-            missing, extra = sorted(want - have)[:3], sorted(have - want)[:3]
-            raise PlanError(f"the plan is not for this batch split into {n_microbatches} microbatches: its stages "
-                            f"miss {missing} and have {extra} this step does not")
+    given = plan is not None
     plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule, **planning)
     order = validate(plan)
+    if given:  # a plan made for another batch or microbatch count, or one short of a message, runs wrong or fails
+        check_matches(w, plan, [c.rank for c in compiled.partition.chunks])  # deep in the executor
     check_strategies(w, plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]

@@ -18,7 +18,7 @@ from ..check import is_meta
 from ..plan import Plan, PlanError, validate
 
 from .transport import _DistTransport, TransportError
-from ..planner.workload import StepWorkload, autocast_state, build_workload, check_strategies, set_recompute, step_digest, split_for
+from ..planner.workload import StepWorkload, autocast_state, build_workload, check_matches, check_strategies, set_recompute, step_digest, split_for
 from ..planner.planning import check_memory_limit, make_plan
 from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
 
@@ -654,15 +654,11 @@ class PipelineRuntime:
                 if local_err is not None:
                     raise PlanError(f"building the step failed: {local_err}") if early is None else early
                 plan = None
-                if given is not None:  # made beforehand: checked against this step's stages, then validated
-                    have = {a.stage for _, a in given.compute_actions()}
-                    if have != set(w.graph.stages):
-                        missing, extra = sorted(set(w.graph.stages) - have)[:3], sorted(have - set(w.graph.stages))[:3]
-                        raise PlanError(f"the given plan is not for this batch split into {n} microbatches: its "
-                                        f"stages miss {missing} and have {extra} this step does not")
-                    given_text = given.to_json()
-                    if getattr(given, "_validated", None) != Plan.text_digest(given_text):  # validated, and not
-                        validate(given)  # changed since
+                if given is not None:  # made beforehand: validated (unless it was, unchanged since), then checked
+                    given_text = given.to_json()  # against this step's stage graph
+                    if getattr(given, "_validated", None) != Plan.text_digest(given_text):
+                        validate(given)
+                    check_matches(w, given, [c.rank for c in self.compiled.partition.chunks])
                     check_strategies(w, given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
@@ -1590,8 +1586,8 @@ def prefetch(iterable):
         if not isinstance(cur, Mapping):
             raise TypeError(f"dipc.prefetch: batch {i} is a {type(cur).__name__}; batches must be mappings (dicts of "
                             "tensors)")
+        out = _Lookahead(cur)  # copied before the next read: a loader may refill one dict in place
         nxt = next(it, end)
-        out = _Lookahead(cur)
         out.next_batch = None if nxt is end else nxt
         yield out
         cur, i = nxt, i + 1
