@@ -20,6 +20,10 @@ all alike:
   work the precomputed mode does before the loop;
 * ``async+sim``: the same, and the planner also simulates each plan for the step report (bubble ratio, its causes,
   peak memory: what the main job prints per step), work that the other modes do not do at all;
+* ``handover``: as ``async``, but rank 0's planner process plans nothing: it answers each batch's frame with the
+  plan made before the loop for that batch (:class:`dipc.planner.background.BackgroundPlanner`'s ``serve``): the
+  handover alone (frames, sender thread, pipe, the reply's JSON read on rank 0), what ``async`` costs beyond the
+  planning work on the ranks' cores;
 * ``sync``: each plan made by rank 0 at the start of its step.
 
 Each step's time is the slowest rank's ``pipe.step`` (split, plan delivery, execution, all-reduces); no optimizer
@@ -77,14 +81,21 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
         plans.append(make_plan(compiled, w, i))
     precompute_s = (time.perf_counter() - t0) / len(steps)
     texts = [(p.to_json(), p._validated) for p in plans]
+    planners = {}  # rank 0: "async" -> the runtime's background planner, "handover" -> the stand-in
+    if "handover" in modes and rank == 0:
+        planners["handover"] = _handover_planner(compiled, steps, texts, n_mb)
     times: dict[str, list] = {m: [] for m in modes}
     plan_path: dict[str, list] = {k: [] for k in times}
-    planner: dict[str, list] = {m: [] for m in modes if m.startswith("async")}
+    planner: dict[str, list] = {m: [] for m in modes if m in ("async", "async+sim", "handover")}
     sources: dict[str, set] = {k: set() for k in times}
     order = random.Random(0)  # the same seed on every rank: they run the modes in the same order
     for _ in range(rounds):
         for mode in order.sample(modes, len(modes)):
-            it = dipc.prefetch(steps) if mode.startswith("async") else steps
+            if rank == 0 and mode not in ("precomputed", "sync"):  # this mode's planner process takes the batches
+                kind = "handover" if mode == "handover" else "async"
+                planners[planners.get("current", "async")] = pipe._planner
+                pipe._planner, planners["current"] = planners.get(kind), kind
+            it = dipc.prefetch(steps) if mode in ("async", "async+sim", "handover") else steps
             pipe.simulate_steps = mode == "async+sim"
             for i, b in enumerate(it):
                 given = None
@@ -102,9 +113,47 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
                 for p in pipe.parameters():
                     p.grad = None
     pipe.close()
+    for p in planners.values():
+        if not isinstance(p, str) and p is not None:
+            p.close()
     mine = {"times": times, "plan_path": plan_path, "planner": planner, "precompute_s": precompute_s,
             "sources": {k: sorted(v) for k, v in sources.items()}, "fallbacks": pipe.fallbacks}
     return all_gather_json(mine, what="bench figures")
+
+
+def _handover_planner(compiled, steps, texts, n_mb):
+    """A planner process that plans nothing: it answers each frame with the plan made before the loop for that
+    batch (found by the frame's bytes), in the planner's reply format.  The ``handover`` mode runs it: the same
+    frames, sender thread, pipe and replies as ``async``, without the planning work."""
+    import hashlib
+    import os
+
+    from dipc.planner.background import BackgroundPlanner, decode_batch, encode_batch
+    from dipc.runtime import build_workload, split_for, step_digest
+    from dipc.wire import encode_json
+
+    def key(batch):
+        return hashlib.sha256(encode_batch({}, batch, float_values=False)).hexdigest()
+
+    table = {}
+    for b, (text, _) in zip(steps, texts):
+        table[key(b)] = (text, step_digest(compiled, build_workload(compiled, split_for(compiled, b, n_mb))))
+
+    def serve(conn):
+        while True:
+            try:
+                frame = conn.recv_bytes()
+                while conn.poll(0):
+                    frame = conn.recv_bytes()
+            except (EOFError, OSError):
+                os._exit(0)
+            head, batch = decode_batch(frame)
+            text, digest = table[key(batch)]
+            conn.send_bytes(encode_json({"step": head["step"], "seq": head["seq"], "digest": digest, "plan": text,
+                                         "schedule": head["schedule"], "n_microbatches": head["n_microbatches"],
+                                         "amp": head.get("amp"), "seconds": 0.0, "cpu_seconds": 0.0}))
+
+    return BackgroundPlanner(compiled, {}, serve=serve)
 
 
 def _interval(xs, log: bool = False) -> str:
@@ -122,7 +171,7 @@ def _interval(xs, log: bool = False) -> str:
     return f"{f(mean):.3f} ({f(mean - half):.3f} - {f(mean + half):.3f})"
 
 
-MODES = ("precomputed", "async", "async+sim", "sync")
+MODES = ("precomputed", "async", "handover", "async+sim", "sync")
 
 
 def main(argv=None) -> None:

@@ -200,13 +200,17 @@ class BackgroundPlanner:
         compiled: the :class:`dipc.CompiledPipeline` (inherited by the forked process, not serialised).
         options: the runtime's planning options: ``memory_limit`` (bytes or None), ``recompute`` (bool),
             ``optimizer_states`` (int).
+        serve: a stand-in for the process's loop, ``serve(conn)`` reading frames and answering replies as the
+            planner does (``bench/async_planning.py``'s ``handover`` mode answers with plans made beforehand, to
+            measure the handover without the planning); None (the default) plans.
 
     The process is started by the first :meth:`submit` and restarted by the next one after it died.
     """
 
-    def __init__(self, compiled, options: Mapping[str, Any]):
+    def __init__(self, compiled, options: Mapping[str, Any], serve=None):
         self.compiled = compiled
         self.options = dict(options)
+        self.serve = serve  # the process's loop, ``serve(conn)`` (default: plan each batch; a benchmark's stand-in)
         self.pid: int | None = None
         self.exitcode: int | None = None
         self.programs_at_fork = 0
@@ -229,6 +233,11 @@ class BackgroundPlanner:
         if pid == 0:  # the planning process
             parent.close()
             _close_inherited_sockets(keep=child.fileno())
+            if self.serve is not None:
+                try:
+                    self.serve(child)
+                finally:
+                    os._exit(0)
             _serve(child, self.compiled, self.options)
         child.close()
         self.pid, self.exitcode = pid, None
