@@ -82,6 +82,7 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
     precompute_s = (time.perf_counter() - t0) / len(steps)
     texts = [(p.to_json(), p._validated) for p in plans]
     planners = {}  # rank 0: "async" -> the runtime's background planner, "handover" -> the stand-in
+    current = "async"  # whose planner pipe._planner holds
     if "handover" in modes and rank == 0:
         planners["handover"] = _handover_planner(compiled, steps, texts, n_mb)
     times: dict[str, list] = {m: [] for m in modes}
@@ -93,8 +94,8 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
         for mode in order.sample(modes, len(modes)):
             if rank == 0 and mode not in ("precomputed", "sync"):  # this mode's planner process takes the batches
                 kind = "handover" if mode == "handover" else "async"
-                planners[planners.get("current", "async")] = pipe._planner
-                pipe._planner, planners["current"] = planners.get(kind), kind
+                planners[current] = pipe._planner
+                pipe._planner, current = planners.get(kind), kind
             it = dipc.prefetch(steps) if mode in ("async", "async+sim", "handover") else steps
             pipe.simulate_steps = mode == "async+sim"
             for i, b in enumerate(it):
@@ -114,7 +115,7 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
                     p.grad = None
     pipe.close()
     for p in planners.values():
-        if not isinstance(p, str) and p is not None:
+        if p is not None:
             p.close()
     mine = {"times": times, "plan_path": plan_path, "planner": planner, "precompute_s": precompute_s,
             "sources": {k: sorted(v) for k, v in sources.items()}, "fallbacks": pipe.fallbacks}

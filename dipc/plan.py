@@ -133,11 +133,11 @@ class Action:
     def stage(self) -> str:
         """Key of the compute stage this action belongs to (:func:`stage_key`: a send's or receive's direction is
         its kind's last letter, as a compute action's kind is)."""
-        return f"{self.kind[-1]}:{self.chunk}:{self.mb}:{self.sub}"
+        return stage_key(self.kind[-1], self.chunk, self.mb, self.sub)
 
     @property
     def peer_stage(self) -> str:
-        return f"{self.kind[-1]}:{self.peer_chunk}:{self.mb}:{self.peer_sub}"
+        return stage_key(self.kind[-1], self.peer_chunk, self.mb, self.peer_sub)
 
     def __str__(self) -> str:
         s = f".{self.sub}" if self.sub >= 0 else ""

@@ -373,9 +373,9 @@ def check_strategies(w: StepWorkload, plan) -> None:
                             f"{a.chunk} runs {n} layer(s) in this step's capture: recompute at most {n}")
 
 
-def check_matches(w: StepWorkload, plan, chunk_ranks) -> None:
-    """Check that ``plan`` is a plan of this step's stage graph, beyond what :func:`dipc.plan.validate` checks (the
-    plan's consistency with itself): its chunks live on the ranks ``chunk_ranks`` (the compiled partition's), it has
+def check_matches(compiled, w: StepWorkload, plan) -> None:
+    """Check that ``plan`` is a plan of ``compiled``'s step ``w``, beyond what :func:`dipc.plan.validate` checks (the
+    plan's consistency with itself): its chunks live on the ranks of ``compiled``'s partition, it has
     every compute stage of the graph and no other, every message carries exactly the tensors (names, shapes, dtypes)
     that its edge of the graph carries, it has a message for every edge that carries tensors between ranks and none
     the graph lacks, and its dependencies include every edge of the graph.  A plan that validates on its own but
@@ -387,9 +387,10 @@ def check_matches(w: StepWorkload, plan, chunk_ranks) -> None:
         PlanError: naming the first difference."""
     from ..plan import SENDS
 
-    if list(plan.chunk_ranks) != list(chunk_ranks):
+    chunk_ranks = [c.rank for c in compiled.partition.chunks]
+    if list(plan.chunk_ranks) != chunk_ranks:
         raise PlanError(f"the plan puts chunks on ranks {list(plan.chunk_ranks)}, the compiled pipeline on "
-                        f"{list(chunk_ranks)}")
+                        f"{chunk_ranks}")
     fwd = plan.forward_only
     want = {k for k in w.graph.stages if not fwd or k[0] == "F"}
     have = {a.stage for _, a in plan.compute_actions()}

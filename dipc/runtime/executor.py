@@ -466,7 +466,7 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     plan = plan or make_plan(compiled, w, 0, check=False, memory_limit=memory_limit, schedule=schedule, **planning)
     order = validate(plan)
     if given:  # a plan made for another batch or microbatch count, or one short of a message, runs wrong or fails
-        check_matches(w, plan, [c.rank for c in compiled.partition.chunks])  # deep in the executor
+        check_matches(compiled, w, plan)  # deep in the executor
     check_strategies(w, plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]

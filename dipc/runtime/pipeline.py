@@ -658,7 +658,7 @@ class PipelineRuntime:
                     given_text = given.to_json()  # against this step's stage graph
                     if getattr(given, "_validated", None) != Plan.text_digest(given_text):
                         validate(given)
-                    check_matches(w, given, [c.rank for c in self.compiled.partition.chunks])
+                    check_matches(self.compiled, w, given)
                     check_strategies(w, given)
                     plan = dataclasses.replace(given, step=self.step_index)
                     info["source"] = "given"
