@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 import json
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "check_types", "dry_run", "replay",
            "stage_key", "recomputed_blocks", "recompute_layout", "forward_only"]
@@ -38,13 +38,16 @@ class PlanError(ValueError):
     """A plan is malformed, inconsistent or would deadlock."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class TensorSpec:
     """A named tensor in a message: ``shape`` in elements, ``dtype`` as torch's name (e.g. "float32")."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: str):
+        self.__dict__.update(name=name, shape=shape, dtype=dtype)  # as Action's: the frozen __init__ is slow
 
     @property
     def nbytes(self) -> int:
@@ -100,7 +103,7 @@ def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
     return f"{kind}:{chunk}:{mb}:{sub}"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Action:
     """One action of a rank's list.
 
@@ -129,6 +132,13 @@ class Action:
     tensors: tuple[TensorSpec, ...] = ()
     strategy: str = "keep"
 
+    def __init__(self, kind: str, chunk: int, mb: int, sub: int = -1, peer_rank: int = -1, peer_chunk: int = -1,
+                 peer_sub: int = -1, msg: int = -1, tensors: tuple[TensorSpec, ...] = (), strategy: str = "keep"):
+        # the dataclass's frozen __init__ sets each field through object.__setattr__: 1.3 us an action against
+        # 0.5 here, and every step lowers its plan and every rank reads it back (a few hundred actions each)
+        self.__dict__.update(kind=kind, chunk=chunk, mb=mb, sub=sub, peer_rank=peer_rank, peer_chunk=peer_chunk,
+                             peer_sub=peer_sub, msg=msg, tensors=tensors, strategy=strategy)
+
     @property
     def stage(self) -> str:
         """Key of the compute stage this action belongs to (:func:`stage_key`: a send's or receive's direction is
@@ -137,6 +147,7 @@ class Action:
 
     @property
     def peer_stage(self) -> str:
+        """Key of the compute stage at the other end of a send or receive."""
         return stage_key(self.kind[-1], self.peer_chunk, self.mb, self.peer_sub)
 
     def __str__(self) -> str:
@@ -178,7 +189,10 @@ class Plan:
         ranks: per rank, its ordered actions.
         deps: compute stage key -> keys of the compute stages it depends on.
         microbatches: per microbatch, its metadata (instances, sub-microbatch ranges, loss weight, shapes).
-        simulated: optional schedule figures (stage start/end in seconds, iteration time) from the planner.
+        simulated: optional figures from the planner: ``iteration_time`` (the scheduler's estimate, seconds),
+            ``schedule``, ``plans_tried``, ``recomputed``, ``recomputed_partly`` and, after a search, ``search``
+            (:func:`dipc.runtime.make_plan`).  Per-stage times are the simulator's (:func:`dipc.simulate`): the plan
+            that travels to every rank holds what the ranks need.
         forward_only: an evaluation plan (:func:`forward_only`): forwards and their activation messages only, no
             backward, nothing kept for one.
     """
@@ -209,15 +223,19 @@ class Plan:
         4 microbatches is about 3x smaller and 3-4x faster to write and read than format 1's one object per action,
         which :meth:`from_json` still reads."""
         sets: dict[tuple, int] = {}
+        by_id: dict[int, int] = {}  # a message's send and receive share one tuple: found by identity, no hashing
         rows = []
         for acts in self.ranks:
             out = []
             for a in acts:
                 ts = -1
                 if a.tensors:
-                    ts = sets.get(a.tensors, -1)
+                    ts = by_id.get(id(a.tensors), -1)
                     if ts < 0:
-                        ts = sets[a.tensors] = len(sets)
+                        ts = sets.get(a.tensors, -1)
+                        if ts < 0:
+                            ts = sets[a.tensors] = len(sets)
+                        by_id[id(a.tensors)] = ts
                 row = [a.kind, a.chunk, a.mb, a.sub, a.peer_rank, a.peer_chunk, a.peer_sub, a.msg, ts, a.strategy]
                 n = 10 if a.strategy != "keep" else 9
                 while n > 3 and row[n - 1] == -1:
@@ -352,7 +370,8 @@ def check_types(plan: Plan) -> None:
                 dtypes = dtypes or _dtype_names()
                 for t in a.tensors:
                     if not (type(t) is TensorSpec and type(t.name) is str and type(t.shape) is tuple
-                            and all(_is_int(x) and x >= 0 for x in t.shape) and t.dtype in dtypes):
+                            and all(_is_int(x) and x >= 0 for x in t.shape) and type(t.dtype) is str
+                            and t.dtype in dtypes):
                         raise PlanError(f"action {i} of rank {r} ({a.kind}, message {a.msg!r}) carries a malformed "
                                         f"tensor spec {t!r}: a str name, a shape of ints >= 0 and a torch dtype's "
                                         "name")
@@ -376,8 +395,11 @@ def forward_only(plan: Plan) -> Plan:
                 microbatches=list(plan.microbatches), simulated={}, forward_only=True)
 
 
-def validate(plan: Plan) -> list[tuple[int, int]]:
+def validate(plan: Plan, types: bool = True) -> list[tuple[int, int]]:
     """Check ``plan`` (see the module docstring) and return a feasible global execution order.
+
+    ``types=False`` leaves out :func:`check_types`, for a plan built by dipc's own lowering whose JSON text every
+    rank reads with :meth:`Plan.from_json`, which checks them before the plan runs (the background planner).
 
     Returns:
         ``[(rank, action index), ...]``: an interleaving of all ranks' lists that the dry run executed; running the
@@ -389,21 +411,26 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
             stage, broken dependency, deadlock, an incomplete plan: a forward without its backward or the other way
             round, a microbatch without stages; a backward in a forward-only plan).
     """
-    check_types(plan)
+    if types:
+        check_types(plan)
+    # each action's stage key, made once (validate reads them several times per action)
+    keys = stage_keys(plan)
     sends: dict[int, tuple[int, int, Action]] = {}
     recvs: dict[int, tuple[int, int, Action]] = {}
     where: dict[str, tuple[int, int]] = {}
+    n_chunks = len(plan.chunk_ranks)
     for r, acts in enumerate(plan.ranks):
+        ks = keys[r]
         for i, a in enumerate(acts):
             if plan.forward_only and a.kind in ("B", "SEND_B", "RECV_B"):
                 raise PlanError(f"{a} on rank {r}: a forward-only plan has no backward actions")
             if a.kind in COMPUTE:
-                st = a.stage
+                st = ks[i]
                 if st in where:
                     raise PlanError(f"stage {a} appears twice (rank {where[st][0]} and rank {r})")
-                if not 0 <= a.chunk < len(plan.chunk_ranks) or plan.chunk_ranks[a.chunk] != r:
+                if not 0 <= a.chunk < n_chunks or plan.chunk_ranks[a.chunk] != r:
                     raise PlanError(f"stage {a} is on rank {r} but chunk {a.chunk} lives on rank "
-                                    f"{plan.chunk_ranks[a.chunk] if 0 <= a.chunk < len(plan.chunk_ranks) else '?'}")
+                                    f"{plan.chunk_ranks[a.chunk] if 0 <= a.chunk < n_chunks else '?'}")
                 where[st] = (r, i)
             elif a.kind in SENDS or a.kind in RECVS:
                 table = sends if a.kind in SENDS else recvs
@@ -414,18 +441,24 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                 table[a.msg] = (r, i, a)
             else:
                 raise PlanError(f"unknown action kind {a.kind!r} on rank {r}")
+    # a message's two ends name each other's stages: the receive's peer is the send's stage and the other way round
+    first_recv: dict[tuple[int, str, str], int] = {}  # (rank, stage, producer): the stage's first receive from it
     for msg, (r, i, s) in sends.items():
         if msg not in recvs:
             raise PlanError(f"send {s} on rank {r} (message {msg}) has no matching receive on rank {s.peer_rank}")
-        rr, _, v = recvs[msg]
+        rr, ri, v = recvs[msg]
         if rr != s.peer_rank or v.peer_rank != r:
             raise PlanError(f"message {msg}: {s} on rank {r} targets rank {s.peer_rank} but {v} is on rank {rr} "
                             f"expecting rank {v.peer_rank}")
-        if s.kind[-1] != v.kind[-1] or s.stage != v.peer_stage or v.stage != s.peer_stage:
+        s_stage, v_stage = keys[r][i], keys[rr][ri]
+        if s.kind[-1] != v.kind[-1] or s_stage != v.peer_stage or v_stage != s.peer_stage:
             raise PlanError(f"message {msg}: {s} (rank {r}) and {v} (rank {rr}) name different stages")
         if s.tensors != v.tensors:
             raise PlanError(f"message {msg}: {s} sends {[(t.name, t.shape, t.dtype) for t in s.tensors]} but {v} "
                             f"expects {[(t.name, t.shape, t.dtype) for t in v.tensors]}")
+        fk = (rr, v_stage, s_stage)
+        if first_recv.get(fk, ri) >= ri:
+            first_recv[fk] = ri
     for msg, (r, _, v) in recvs.items():
         if msg not in sends:
             raise PlanError(f"receive {v} on rank {r} (message {msg}) has no matching send on rank {v.peer_rank}")
@@ -443,11 +476,6 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
             raise PlanError(f"messages from rank {pair[0]} to rank {pair[1]} are sent in order {msgs} but received "
                             f"in order {order_r[pair]}")
     # dependencies: a cross-rank one needs a receive from it before the stage (first receive per pair of stages)
-    first_recv: dict[tuple[int, str, str], int] = {}
-    for r, acts in enumerate(plan.ranks):
-        for j, v in enumerate(acts):
-            if v.kind in RECVS:
-                first_recv.setdefault((r, v.stage, v.peer_stage), j)
     for st, deps in plan.deps.items():
         if st not in where:
             raise PlanError(f"stage {st} has dependencies but no action")
@@ -464,25 +492,28 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
                 if first_recv.get((r, st, d), i) >= i:
                     raise PlanError(f"{plan.ranks[r][i]} on rank {r} depends on {plan.ranks[dr][di]} on rank {dr} "
                                     "but receives nothing from it before running")
+    layouts: dict[str, Any] = {}  # strategy -> its recompute layout (a handful of distinct strategies per plan)
     for st, (r, i) in where.items():
         a = plan.ranks[r][i]
-        try:
-            recompute_layout(a.strategy)
-        except PlanError as e:
-            raise PlanError(f"{a.kind} of chunk {a.chunk}, microbatch {a.mb} on rank {r}: {e}") from None
-        if a.kind == "B" and stage_key("F", a.chunk, a.mb, a.sub) in where:
-            fr, fi = where[stage_key("F", a.chunk, a.mb, a.sub)]
+        lay = layouts.get(a.strategy, layouts)
+        if lay is layouts:
+            try:
+                lay = layouts[a.strategy] = recompute_layout(a.strategy)
+            except PlanError as e:
+                raise PlanError(f"{a.kind} of chunk {a.chunk}, microbatch {a.mb} on rank {r}: {e}") from None
+        if a.kind == "B" and "F" + st[1:] in where:
+            fr, fi = where["F" + st[1:]]
             if fi >= i:
                 raise PlanError(f"on rank {r}, {a} runs before its forward")
-            if recompute_layout(plan.ranks[fr][fi].strategy) != recompute_layout(a.strategy):  # "k" is "k/1"
+            if recompute_layout(plan.ranks[fr][fi].strategy) != lay:  # "k" is "k/1"
                 raise PlanError(f"{plan.ranks[fr][fi]} has memory strategy {plan.ranks[fr][fi].strategy!r} but its "
                                 f"backward {a} has {a.strategy!r}")
-    order = dry_run(plan)
+    order = dry_run(plan, keys)
     # complete: every forward has its backward and the other way round, every microbatch has stages
     for st, (r, i) in ([] if plan.forward_only else where.items()):
-        a = plan.ranks[r][i]
-        other = stage_key("B" if a.kind == "F" else "F", a.chunk, a.mb, a.sub)
+        other = ("B" if st[0] == "F" else "F") + st[1:]
         if other not in where:
+            a = plan.ranks[r][i]
             raise PlanError(f"the plan is incomplete: {a} on rank {r} has no {'backward' if a.kind == 'F' else 'forward'}"
                             f" ({other})")
     if plan.microbatches:
@@ -494,25 +525,34 @@ def validate(plan: Plan) -> list[tuple[int, int]]:
     return order
 
 
-def incoming_messages(plan: Plan) -> dict[str, list[int]]:
-    """Stage key -> ids of the messages its compute action waits for."""
+def stage_keys(plan: Plan) -> list[list[str]]:
+    """Per rank, each action's :attr:`Action.stage` (computed once, for passes that read them many times)."""
+    return [[stage_key(a.kind[-1], a.chunk, a.mb, a.sub) for a in acts] for acts in plan.ranks]
+
+
+def incoming_messages(plan: Plan, keys: list[list[str]] | None = None) -> dict[str, list[int]]:
+    """Stage key -> ids of the messages its compute action waits for.  ``keys``: :func:`stage_keys` of ``plan``,
+    when the caller has them."""
     incoming: dict[str, list[int]] = defaultdict(list)
-    for acts in plan.ranks:
-        for a in acts:
+    for r, acts in enumerate(plan.ranks):
+        for i, a in enumerate(acts):
             if a.kind in RECVS:
-                incoming[a.stage].append(a.msg)
+                incoming[keys[r][i] if keys is not None else a.stage].append(a.msg)
     return incoming
 
 
-def replay(plan: Plan, visit: Callable[[int, int, "Action"], None]) -> None:
+def replay(plan: Plan, visit: Callable[[int, int, "Action"], None], keys: list[list[str]] | None = None) -> None:
     """Run the plan's semantics symbolically and call ``visit(rank, index, action)`` for each action in an order
     that respects them: sends never block; a compute action runs once every message addressed to its stage has
-    been sent and its receive posted.  Shared by :func:`dry_run` and the simulator.
+    been sent and its receive posted.  Shared by :func:`dry_run` and the simulator.  ``keys``: :func:`stage_keys`
+    of ``plan``, when the caller has them.
 
     Raises:
         PlanError: deadlock, naming each blocked rank's action and the messages it waits on.
     """
-    incoming = incoming_messages(plan)
+    if keys is None:
+        keys = stage_keys(plan)
+    incoming = incoming_messages(plan, keys)
     sent: set[int] = set()
     posted: set[int] = set()
     pc = [0] * plan.n_ranks
@@ -520,9 +560,10 @@ def replay(plan: Plan, visit: Callable[[int, int, "Action"], None]) -> None:
     while left:
         progressed = False
         for r, acts in enumerate(plan.ranks):
+            ks = keys[r]
             while pc[r] < len(acts):
                 a = acts[pc[r]]
-                if a.kind in COMPUTE and not all(m in sent and m in posted for m in incoming[a.stage]):
+                if a.kind in COMPUTE and not all(m in sent and m in posted for m in incoming[ks[pc[r]]]):
                     break
                 if a.kind in SENDS:
                     sent.add(a.msg)
@@ -542,8 +583,9 @@ def replay(plan: Plan, visit: Callable[[int, int, "Action"], None]) -> None:
             raise PlanError("deadlock: " + "; ".join(waits))
 
 
-def dry_run(plan: Plan) -> list[tuple[int, int]]:
-    """Execute the plan symbolically (:func:`replay`).
+def dry_run(plan: Plan, keys: list[list[str]] | None = None) -> list[tuple[int, int]]:
+    """Execute the plan symbolically (:func:`replay`; ``keys``: :func:`stage_keys` of ``plan``, when the caller
+    has them).
 
     Returns:
         the global order in which actions ran, ``[(rank, action index), ...]``.
@@ -552,5 +594,5 @@ def dry_run(plan: Plan) -> list[tuple[int, int]]:
         PlanError: deadlock, naming each blocked rank's action and the messages it waits on.
     """
     order: list[tuple[int, int]] = []
-    replay(plan, lambda r, i, a: order.append((r, i)))
+    replay(plan, lambda r, i, a: order.append((r, i)), keys)
     return order

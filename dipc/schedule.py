@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable, Sequence
 
 from .plan import Action, Plan, TensorSpec, stage_key
@@ -573,51 +573,59 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
     for e in graph.edges:
         if graph.stages[e.src].rank != graph.stages[e.dst].rank and e.tensors:
             out_msgs[e.src].append(e)
-    msg_id: dict[tuple[str, str], int] = {}
+    stages = graph.stages
     ranks: list[list[Action]] = [[] for _ in range(n_ranks)]
     # receives per (sender, receiver) in sender order
-    pending: dict[tuple[int, int], list[tuple[int, Edge]]] = defaultdict(list)
+    pending: dict[tuple[int, int], deque[tuple[int, Edge]]] = defaultdict(deque)
+    sends: dict[str, list[tuple[int, Edge]]] = {}  # stage -> its messages, numbered in send order
+    msg_id: dict[tuple[str, str], int] = {}
     for r in range(n_ranks):
         for k in schedule.order[r]:
-            for e in sorted(out_msgs[k], key=lambda e: (graph.stages[e.dst].rank, schedule.start[e.dst], e.dst)):
-                msg_id[(e.src, e.dst)] = len(msg_id)
-                pending[(r, graph.stages[e.dst].rank)].append((msg_id[(e.src, e.dst)], e))
+            if k not in out_msgs:
+                continue
+            mine = sends[k] = []
+            for e in sorted(out_msgs[k], key=lambda e: (stages[e.dst].rank, schedule.start[e.dst], e.dst)):
+                m = msg_id[(e.src, e.dst)] = len(msg_id)
+                mine.append((m, e))
+                pending[(r, stages[e.dst].rank)].append((m, e))
+    # stage -> (message, sender rank) of each message it waits on, in its edges' order
+    incoming = {k: [(msg_id[(e.src, e.dst)], stages[e.src].rank) for e in es if (e.src, e.dst) in msg_id]
+                for k, es in preds.items()}
     posted: set[int] = set()
 
     def comm_action(kind: str, here: Stage, there: Stage, m: int, tensors) -> Action:
-        return Action(kind=kind, chunk=here.chunk, mb=here.mb, sub=here.sub, peer_rank=there.rank,
-                      peer_chunk=there.chunk, peer_sub=there.sub, msg=m, tensors=tuple(tensors))
+        return Action(kind, here.chunk, here.mb, here.sub, there.rank, there.chunk, there.sub, m, tuple(tensors))
 
     def post_receives(r: int, k: str) -> None:
-        for e in preds[k]:
-            src = graph.stages[e.src]
-            if (e.src, e.dst) not in msg_id:
-                continue
-            m = msg_id[(e.src, e.dst)]
+        for m, src_rank in incoming.get(k, ()):  # in the consumer's edge order, as its sends were numbered
             if m in posted:
                 continue
-            queue = pending[(src.rank, r)]
+            queue = pending[(src_rank, r)]
             while queue:
-                mm, ee = queue.pop(0)
+                mm, ee = queue.popleft()
                 posted.add(mm)
-                ranks[r].append(comm_action("RECV_" + ee.src[0], graph.stages[ee.dst], graph.stages[ee.src],
-                                            mm, ee.tensors))
+                ranks[r].append(comm_action("RECV_" + ee.src[0], stages[ee.dst], stages[ee.src], mm, ee.tensors))
                 if mm == m:
                     break
 
     for r in range(n_ranks):
         order = schedule.order[r]
+        last = len(order) - 1
+        acts = ranks[r]
+        ahead = -1  # the receives of order[: ahead + 1] are posted (a stage's, once posted, are all posted)
         for i, k in enumerate(order):
-            s = graph.stages[k]
-            for j in range(i, min(i + recv_lookahead, len(order) - 1) + 1):
+            s = stages[k]
+            for j in range(max(i, ahead + 1), min(i + recv_lookahead, last) + 1):
                 post_receives(r, order[j])
-            ranks[r].append(Action(kind=s.kind, chunk=s.chunk, mb=s.mb, sub=s.sub, strategy=s.strategy))
-            for e in sorted(out_msgs[k], key=lambda e: msg_id[(e.src, e.dst)]):
-                ranks[r].append(comm_action("SEND_" + s.kind, s, graph.stages[e.dst], msg_id[(e.src, e.dst)],
-                                            e.tensors))
+                ahead = j
+            acts.append(Action(s.kind, s.chunk, s.mb, s.sub, strategy=s.strategy))
+            for m, e in sends.get(k, ()):
+                acts.append(comm_action("SEND_" + s.kind, s, stages[e.dst], m, e.tensors))
     deps = {k: sorted({e.src for e in preds[k]}) for k in graph.stages if preds[k]}
-    sim = {"iteration_time": schedule.iteration_time,
-           "start": schedule.start, "end": schedule.end}
+    # the scheduler's estimate of the step; its per-stage start and end times stay with the schedule: no rank reads
+    # them, and they were 40% of the plan's JSON, written, sent, digested and read on every step (the simulator
+    # times each action itself, dipc.simulate)
+    sim = {"iteration_time": schedule.iteration_time}
     return Plan(step=step, chunk_ranks=list(chunk_ranks), ranks=ranks, deps=deps,
                 microbatches=list(microbatches or []), simulated=sim)
 

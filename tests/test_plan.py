@@ -230,3 +230,34 @@ def test_forward_only_plans_keep_the_forward_order_and_validate(p, m, tf, tb):
     bad.ranks[0].append(Action("B", 0, 0))
     with pytest.raises(PlanError, match="a forward-only plan has no backward"):
         validate(bad)
+
+
+def test_lowered_plans_validate_alike_without_the_type_check_and_carry_no_per_stage_times():
+    """The background planner validates its own lowered plan without :func:`dipc.plan.check_types` (every rank's
+    ``Plan.from_json`` checks the types of the text it reads): the same order, and the same refusals of a broken
+    plan.  A plan's ``simulated`` holds the scheduler's iteration time, not each stage's start and end (no rank
+    reads them; they were 40% of the text every rank reads).  Actions and tensor specs stay immutable and equal by
+    value."""
+    from dipc.plan import check_types
+
+    for p, m in ((2, 4), (3, 5), (4, 8)):
+        g = chain_graph(p, m)
+        plan = lower(g, list_schedule(g, p), list(range(p)), microbatches=[{}] * m)
+        assert validate(plan, types=False) == validate(plan)
+        assert set(plan.simulated) == {"iteration_time"}
+        text = plan.to_json()
+        assert '"start"' not in text and Plan.from_json(text) == plan
+    bad = two_rank_plan(recv_tensors=(TensorSpec("h", (2, 5), "float32"),))
+    for types in (True, False):
+        with pytest.raises(PlanError, match="sends"):
+            validate(bad, types=types)
+    typo = dataclasses.replace(two_rank_plan(), step="0")
+    with pytest.raises(PlanError, match="step must be an int"):
+        check_types(typo)
+    a = Action("SEND_F", 0, 1, 2, 1, 3, 4, 5, T)
+    assert a == Action("SEND_F", 0, 1, sub=2, peer_rank=1, peer_chunk=3, peer_sub=4, msg=5, tensors=T)
+    assert hash(a) == hash(dataclasses.replace(a)) and a.stage == "F:0:1:2" and a.peer_stage == "F:3:1:4"
+    assert Action("F", 0, 1) == Action("F", 0, 1, -1, -1, -1, -1, -1, (), "keep")
+    for obj, field in ((a, "mb"), (T[0], "shape")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, field, 3)

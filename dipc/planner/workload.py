@@ -169,8 +169,12 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
     empty: dict[str, dict] = {}
     edges: dict[tuple[str, str], list[TensorSpec]] = {}
 
+    bound: dict[tuple[int, int], dict] = {}  # (program, data) -> its bindings: each chunk of a view binds alike
+
     def add_stage(c, m, s, prog, view, units):
-        bind = prog.bind(view)
+        bind = bound.get((id(prog), id(view)))  # both live until the workload is built: their ids stay theirs
+        if bind is None:
+            bind = bound[(id(prog), id(view))] = prog.bind(view)
         cost = prog.stage_cost(c, bind)
         if cost is not None:  # symbolic cost on the device profile, at this stage's own sizes
             tp = compiled.tp_comm_seconds(prog, c, bind) if compiled.tp_size > 1 else 0.0
@@ -245,19 +249,24 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                     meta = p.chunks[inp.src_chunk].output_meta[inp.name]
                     dt = autocast_dtypes(p, amp).get(inp.name, meta.dtype)
                     empty.setdefault(key, {})[inp.name] = (meta.concrete_shape(bindings[key]), dt)
+    specs: dict[tuple[str, str], tuple[TensorSpec, bool]] = {}  # (producer, value) -> its spec, for every consumer
     for key, w in wiring.items():
         for name, producers in w.items():
             for pk, pname in producers:
                 pst = stages[pk]
-                meta = programs[pk].chunks[pst.chunk].output_meta[pname]
-                dt = autocast_dtypes(programs[pk], amp).get(pname, meta.dtype)
-                spec = TensorSpec(pname, meta.concrete_shape(bindings[pk]), _dtype_name(dt))
+                got = specs.get((pk, pname))
+                if got is None:
+                    meta = programs[pk].chunks[pst.chunk].output_meta[pname]
+                    dt = autocast_dtypes(programs[pk], amp).get(pname, meta.dtype)
+                    got = specs[(pk, pname)] = (TensorSpec(pname, meta.concrete_shape(bindings[pk]),
+                                                           _dtype_name(dt)), meta.requires_grad)
+                spec, requires_grad = got
                 lst = edges.setdefault((pk, key), [])
                 if spec not in lst:
                     lst.append(spec)
                 if pst.rank == stages[key].rank:  # the consumer reads the producer's outputs: they live until then
                     edges.setdefault((key, "B" + pk[1:]), [])
-                if meta.requires_grad:
+                if requires_grad:
                     bk = "B" + key[1:]
                     bpk = "B" + pk[1:]
                     lst_b = edges.setdefault((bk, bpk), [])
@@ -462,19 +471,30 @@ def _input_bytes(w: StepWorkload, fk: str) -> float:
 
 def workload_digest(w: StepWorkload) -> str:
     """SHA-256 of a step: every edge of its stage graph with the names, shapes and dtypes of the tensors it
-    carries, and a position-weighted sum of each microbatch's integer tensors.  Ranks that traced the model alike
+    carries, and the values of each microbatch's integer tensors.  Ranks that traced the model alike
     and were given the same batch agree on it."""
     import hashlib
 
     h = hashlib.sha256()
+    text: dict[tuple, str] = {}  # a forward's message and its gradient's carry the same specs: written once
+    parts = []
     for e in sorted(w.graph.edges, key=lambda e: (e.src, e.dst)):
-        h.update(f"{e.src}>{e.dst}:{[(t.name, t.shape, t.dtype) for t in e.tensors]};".encode())
-    for mb in w.microbatches:  # and the batch: integer tensors (tokens, labels) by a position-weighted sum
+        ids = tuple(map(id, e.tensors))
+        specs = text.get(ids)
+        if specs is None:
+            specs = text[ids] = str([(t.name, t.shape, t.dtype) for t in e.tensors])
+        parts.append(f"{e.src}>{e.dst}:{specs};")
+    h.update("".join(parts).encode())
+    for mb in w.microbatches:  # and the batch: integer tensors (tokens, labels), their values as int64 bytes
         for k in sorted(mb.data):
             v = mb.data[k]
-            if isinstance(v, torch.Tensor) and not v.is_floating_point() and v.numel():
-                flat = v.reshape(-1).long().cpu()
-                h.update(f"{k}:{int((flat * (torch.arange(flat.numel()) % 7919 + 1)).sum())};".encode())
+            if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.numel():
+                flat = v.detach().reshape(-1)
+                if flat.dtype != torch.int64:
+                    flat = flat.long()
+                h.update(f"{k}:{flat.numel()}:".encode())
+                h.update(flat.cpu().numpy().data)
+                h.update(b";")
     return h.hexdigest()
 
 
@@ -492,7 +512,18 @@ def _units(compiled, data) -> float:
 
 
 def _example_units(compiled) -> dict[str, float]:
+    """Per modality, the work units of the example batch's capture (instances, or tokens for text); kept on the
+    compiled pipeline per capture (every step's first estimate reads them)."""
     ex = compiled.program.capture
+    memo = compiled.__dict__.get("_dipc_example_units")
+    if memo is not None and memo[0] is ex:
+        return memo[1]
+    out = _count_example_units(compiled, ex)
+    compiled.__dict__["_dipc_example_units"] = (ex, out)
+    return out
+
+
+def _count_example_units(compiled, ex) -> dict[str, float]:
     out = {}
     inst_of = {i.modality: i for i in compiled.batch_spec.instances}
     shapes = {}
