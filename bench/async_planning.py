@@ -4,6 +4,7 @@
     python bench/async_planning.py --model llava   # the main job's default model (re-captures per image count)
     python bench/async_planning.py --modes async --rounds 1000  # the acceptance figure (+-0.5%; 29 min here)
     python bench/async_planning.py --out docs/bench_async_planning.md
+    python bench/async_planning.py --model llava --modes async --rounds 600 --pin  # ranks pinned to their CPUs
 
 DIP §2.2 plans step t+1 in a background process while step t runs.  On 2 CPU ranks (gloo, one thread each) every
 rank runs the same batches (generated as the main job's, :mod:`dipc.models.data`) in up to four modes (``--modes``;
@@ -184,6 +185,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated subset of {', '.join(MODES)} (precomputed is always run: the baseline)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin each rank to its own CPU (dipc.launch.spawn(pin_cpus=True)); rank 0's background "
+                         "planner then runs on the other CPU, which idles while the pipeline fills")
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
     ap.add_argument("--raw", default=None, help="also write every rank's per-step figures (JSON) here")
     args = ap.parse_args(argv)
@@ -199,7 +203,7 @@ def main(argv=None) -> None:
 
     t0 = time.perf_counter()
     res = spawn(_rank, 2, (args.model, args.batches, args.batch_size, args.microbatches, args.rounds, modes),
-                timeout=3600)[0]
+                timeout=3600, pin_cpus=args.pin)[0]
     wall = time.perf_counter() - t0
     if args.raw:
         import json
@@ -236,7 +240,7 @@ def main(argv=None) -> None:
              f"{args.microbatches} microbatches, {args.rounds} rounds)", "",
              f"`python bench/async_planning.py --model {args.model} --batches {args.batches} --batch-size "
              f"{args.batch_size} --microbatches {args.microbatches} --rounds {args.rounds} --modes "
-             f"{','.join(modes)}` ({wall:.0f} s). Step time: the slowest rank's `pipe.step`; plan path: rank 0's "
+             f"{','.join(modes)}{' --pin' if args.pin else ''}` ({wall:.0f} s). Step time: the slowest rank's `pipe.step`; plan path: rank 0's "
              "time from the step's start to the plan's delivery. Ratios to the precomputed mode: of the mean and "
              "of the median step times over the run; paired by round (the modes of a round ran back to back, in "
              "an order drawn per round): each round's ratio of mean step times (all its steps), and, paired by "

@@ -795,7 +795,7 @@ class CompiledPipeline:
     def runtime(self, group=None, *, mesh=None, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                bucket_mb: float = 25.0, init=None, simulate_steps: bool = True):
+                bucket_mb: float = 25.0, init=None, simulate_steps: bool = True, planner_cpus=None):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -828,10 +828,15 @@ class CompiledPipeline:
                 leaves that to :meth:`StepReport.simulate`, on demand, and the planner's CPU to the ranks (at small
                 sizes the simulation costs about what the plan does).  The attribute ``pipe.simulate_steps`` can be
                 changed between steps.
+            planner_cpus: the CPUs rank 0's background planning process runs on (a set of CPU numbers; DIP §2.2
+                plans on idle cores: on a GPU host, cores no rank or data loader uses).  Default: when this rank
+                is pinned to its own CPU (:func:`dipc.launch.pin_rank`, ``spawn(pin_cpus=True)``), the host's
+                other CPUs; else this process's CPUs (:func:`dipc.planner.background.planner_cpus`).
 
         Raises:
             ValueError: unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
-                ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool.
+                ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool;
+                ``planner_cpus`` not a non-empty set of CPU numbers.
         """
         from .runtime import PipelineRuntime
         dp_group = None
@@ -850,7 +855,7 @@ class CompiledPipeline:
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
-                               simulate_steps=simulate_steps)
+                               simulate_steps=simulate_steps, planner_cpus=planner_cpus)
 
 
 def _mode_dependent(model: torch.nn.Module) -> bool:

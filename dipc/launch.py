@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "free_port", "init_from_env", "SpawnError"]
+__all__ = ["spawn", "pin_rank", "free_port", "init_from_env", "SpawnError"]
 
 
 class SpawnError(RuntimeError):
@@ -60,12 +60,47 @@ def _context():
     return ctx
 
 
+def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
+    """Pin this process (every thread it has; threads started later inherit it) to one CPU: ``cpus[rank %
+    len(cpus)]``, ``cpus`` by default the CPUs this process may run on now.  Under torchrun:
+    ``dipc.launch.pin_rank(int(os.environ["LOCAL_RANK"]))`` before the process group starts.
+
+    Where every core runs a rank (2 CPU ranks on 2 cores), pinning keeps each rank's caches and lets rank 0's
+    background planner (:class:`dipc.planner.background.BackgroundPlanner`) take the other cores, which idle while
+    the pipeline fills, the time it plans (DIP §2.2 plans on idle cores): ``python bench/async_planning.py --pin``.
+
+    Returns:
+        the CPU.
+
+    Raises:
+        ValueError: ``rank`` is not an int >= 0, or ``cpus`` is empty or holds a non-int or negative CPU.
+        OSError: the platform has no ``os.sched_setaffinity`` (not Linux) or refuses the CPU.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError("pinning needs os.sched_setaffinity (Linux)")
+    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+    if not allowed or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in allowed):
+        raise ValueError(f"cpus must be a non-empty list of CPU numbers (ints >= 0), got {cpus!r}")
+    cpu = allowed[rank % len(allowed)]
+    os.sched_setaffinity(0, {cpu})
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:  # a thread that just ended
+            pass
+    return cpu
+
+
 def _worker(rank: int, world: int, port: int, backend: str, timeout: float, threads: int, fn, args, queue,
-            env=None):
+            env=None, cpus=None):
     try:
         if env is not None:  # the caller's environment now, not the fork server's from when it started
             os.environ.clear()
             os.environ.update(env)
+        if cpus is not None:
+            pin_rank(rank, cpus)
         torch.set_num_threads(threads)
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
@@ -86,7 +121,7 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout: float, thre
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout: float = 300.0,
-          backend: str = "gloo", threads_per_rank: int = 1) -> list[Any]:
+          backend: str = "gloo", threads_per_rank: int = 1, pin_cpus: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``nprocs`` processes that share a process group.
 
     Args:
@@ -96,6 +131,8 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
         timeout: seconds for the whole group; also the process group's collective timeout.
         backend: "gloo" (CPU) or "nccl".
         threads_per_rank: torch intra-op threads per process.
+        pin_cpus: pin rank r to the r-th (modulo their count) of the CPUs this process may run on
+            (:func:`pin_rank`), before its process group starts.
 
     Returns:
         the per-rank return values of ``fn`` in rank order: tensors, numbers, strings, None and lists, tuples and
@@ -112,8 +149,13 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
+    if not isinstance(pin_cpus, bool):
+        raise ValueError(f"pin_cpus must be a bool, got {pin_cpus!r}")
+    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus and hasattr(os, "sched_getaffinity") else None
+    if pin_cpus and cpus is None:
+        raise OSError("pin_cpus needs os.sched_setaffinity (Linux)")
     procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout, threads_per_rank, fn, tuple(args),
-                                               queue, env), daemon=True) for r in range(nprocs)]
+                                               queue, env, cpus), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -125,17 +125,22 @@ def main(argv=None) -> None:
     p.add_argument("--report", type=int, default=None, metavar="STEP",
                    help="write this step's measured Gantt chart and Chrome trace to --report-dir")
     p.add_argument("--report-dir", default="dipc_report", help="folder for --report")
+    p.add_argument("--pin-cpus", action="store_true",
+                   help="pin each rank to its own CPU (dipc.launch.pin_rank); rank 0's background planner then runs "
+                        "on the other CPUs")
     args = p.parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        from dipc.launch import init_from_env
+        from dipc.launch import init_from_env, pin_rank
         import torch.distributed as dist
+        if args.pin_cpus:
+            pin_rank(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         init_from_env(timeout=args.timeout)
         torch.set_num_threads(1)
         _run(dist.get_rank(), dist.get_world_size(), args)
         dist.destroy_process_group()
     else:
         from dipc.launch import spawn
-        spawn(_run, args.pp, (args,), timeout=args.timeout)
+        spawn(_run, args.pp, (args,), timeout=args.timeout, pin_cpus=args.pin_cpus)
 
 
 if __name__ == "__main__":

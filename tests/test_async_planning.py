@@ -4,7 +4,8 @@ One process group runs every scenario (a fresh runtime each, so that each gets i
 environment the scenario sets), and every step's loss and gradients are compared with the unsplit model on the same
 batch:
 
-* ``dipc.prefetch`` / ``next_batch``: plans made in the background while the previous step runs, exact;
+* ``dipc.prefetch`` / ``next_batch``: plans made in the background while the previous step runs, exact, with every
+  rank pinned to its own CPU (``spawn(pin_cpus=True)``) and rank 0's planner on the other CPUs;
 * a planner slowed on purpose (``DIPC_PLANNER_DELAY_S``) misses its deadline: the step runs the fallback template
   without waiting for it, the ``dipc`` logger says so and the report counts it;
 * a planner that raises (``DIPC_PLANNER_FAIL``) and one killed with SIGKILL: the step falls back, training goes
@@ -82,14 +83,27 @@ def _scenarios(rank, world):
                 reports.append(pipe.last_report)
                 if label == "killed" and rank == 0 and i == 0:  # the planner is busy with step 1's batch
                     os.kill(pipe._planner.pid, signal.SIGKILL)
+                if label == "async" and rank == 0 and i == 0:  # spawn(pin_cpus=True): the planner is off rank 0's CPU
+                    allowed = sorted(os.sched_getaffinity(os.getppid()))
+                    mine = os.sched_getaffinity(0)
+                    out["pinned"] = (sorted(mine), sorted(os.sched_getaffinity(pipe._planner.pid)), allowed)
         finally:
             pipe.close()
         out[label] = [(r.plan_source, r.schedule, r.fallback_reason) for r in reports]
         out[label + "_fallbacks"] = pipe.fallbacks
         return pipe, reports
 
-    # background plans, exact
+    # background plans, exact (every rank pinned to its own CPU, the planner on the others)
+    allowed = sorted(os.sched_getaffinity(os.getppid()))
+    assert os.sched_getaffinity(0) == {allowed[rank % len(allowed)]}, (rank, allowed)
     _, reps = run("async")
+    if rank == 0:
+        mine, planner, allowed = out["pinned"]
+        assert mine == [allowed[0]], out["pinned"]
+        if len(allowed) > 1:  # the host's other CPUs: none of them rank 0's
+            assert allowed[0] not in planner and set(planner) <= set(allowed), out["pinned"]
+        else:
+            assert planner == mine, out["pinned"]
     assert [r.plan_source for r in reps] == ["sync"] + ["async"] * (len(steps) - 1), out["async"]
     if rank == 0:
         assert all(r.planner_s is not None for r in reps[1:])
@@ -207,6 +221,45 @@ def _scenarios(rank, world):
 
 
 
+def test_planner_cpus_default_to_the_cpus_rank_0_leaves_and_bad_ones_are_refused():
+    """``planner_cpus``: given, they are the planning process's; by default the host's CPUs other than a pinned
+    training process's, none (the scheduler's choice) for an unpinned one; a bad value is refused by name when the
+    runtime is made (before it needs a process group)."""
+    import os
+
+    import torch
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.launch import pin_rank
+    from dipc.planner.background import planner_cpus
+
+    assert planner_cpus({3, 1}) == {1, 3}
+    saved = os.sched_getaffinity(0)
+    try:
+        if saved == set(range(os.cpu_count())):
+            assert planner_cpus() is None  # not pinned
+        cpu = pin_rank(0)
+        assert os.sched_getaffinity(0) == {cpu} == {sorted(saved)[0]}
+        assert planner_cpus() == (set(range(os.cpu_count())) - {cpu} or None)
+        with pytest.raises(ValueError, match="cpus must be a non-empty list"):
+            pin_rank(0, [])
+        with pytest.raises(ValueError, match="rank must be an int"):
+            pin_rank(-1)
+    finally:  # every thread of this process back on its CPUs
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), saved)
+            except OSError:
+                pass
+    torch.manual_seed(0)
+    batches = pc.vlm_batches_mixed()
+    compiled = dipc.compile(pc.vlm(), batches[0], 2)
+    for bad in ("01", [], [-1], [1.5], {True}, 3):
+        with pytest.raises(ValueError, match="planner_cpus must be None or a non-empty set"):
+            compiled.runtime(planner_cpus=bad)
+
+
 def test_prefetch_copies_each_batch_before_reading_the_next():
     """A loader may refill one dict in place (found by a break-it run: step 0 got batch 1's data): each batch
     prefetch yields is the one at its position, and its next_batch the one after it."""
@@ -226,7 +279,7 @@ def test_prefetch_copies_each_batch_before_reading_the_next():
 
 @pytest.mark.timeout(300)
 def test_async_planning_fallbacks_and_no_pickle_2_ranks():
-    out = spawn(_scenarios, 2, (), timeout=TIMEOUT)
+    out = spawn(_scenarios, 2, (), timeout=TIMEOUT, pin_cpus=True)
     for label in ("async", "slow", "fail", "killed"):  # every rank ran the same schedules from the same sources
         assert [s[:2] for s in out[0][label]] == [s[:2] for s in out[1][label]], label
 
@@ -272,3 +325,10 @@ def test_planner_frame_without_float_values_plans_the_same(case):
         want = make_plan(compiled, want_w, i, budget_s=0.0).to_json()
         got = make_plan(compiled, got_w, i, budget_s=0.0).to_json()
         assert got == want, f"batch {i}: the plan made from the frame differs"
+        # the digest reads every integer value: one token changed (anywhere) is another step
+        key = next(k for k, v in batch.items() if isinstance(v, torch.Tensor) and not v.is_floating_point())
+        for where in (0, -1):
+            other = dict(batch, **{key: batch[key].clone()})
+            other[key].view(-1)[where] += 1
+            assert step_digest(compiled, build_workload(compiled, split_for(compiled, other, 2))) != \
+                step_digest(compiled, want_w), f"batch {i}: {key}[{where}] changed, the digest did not"

@@ -11,7 +11,8 @@ simulates the plan, so that the step report's bubble ratio, its causes and the p
 process nothing.
 
 The planning process runs at the lowest CPU priority (Linux ``SCHED_IDLE``, else ``nice`` 19): it plans on the cores
-the training processes leave idle.  It sends the plan first and then, when asked and unless the next batch already
+the training processes leave idle.  It runs on the CPUs the runtime's ``planner_cpus`` names; by default, when rank 0
+is pinned to its own CPU (:func:`dipc.launch.pin_rank`), on the host's other CPUs (:func:`planner_cpus`).  It sends the plan first and then, when asked and unless the next batch already
 waits, the simulated figures of the step report.  The runtime asks for a step's plan with
 :meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for another batch, or that failed, or a
 planning process that died, gives ``None`` and the reason; the runtime then plans the step with its fallback
@@ -38,7 +39,7 @@ import torch
 
 from ..wire import decode_json, encode_json
 
-__all__ = ["BackgroundPlanner", "encode_batch", "decode_batch"]
+__all__ = ["BackgroundPlanner", "encode_batch", "decode_batch", "planner_cpus"]
 
 log = logging.getLogger("dipc")
 
@@ -98,6 +99,21 @@ def _summary(compiled, w, plan, static_bytes) -> dict:
             "bubble_causes": res.bubble_causes(), "peak_memory": list(res.peak_memory)}
 
 
+def planner_cpus(cpus=None) -> set[int] | None:
+    """The CPUs the planning process runs on: ``cpus`` when given; else, when the training process is pinned
+    (:func:`dipc.launch.pin_rank`), the host's other CPUs (a planner that inherited rank 0's CPU would take it from
+    rank 0, whose forwards the whole pipeline waits for while it fills; the other ranks' cores idle then, and the
+    scheduler puts the planner wherever a core idles); None (the training process's CPUs, the scheduler's choice)
+    when it is not pinned, or the host has no other CPU."""
+    if cpus is not None:
+        return set(cpus)
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    mine = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - mine
+    return others or None
+
+
 def _serve(conn, compiled, options: dict) -> None:
     """The planning process's loop (runs after the fork; never returns)."""
     from ..plan import validate
@@ -120,6 +136,12 @@ def _serve(conn, compiled, options: dict) -> None:
             try:
                 os.nice(19)
             except (OSError, AttributeError):
+                pass
+        cpus = planner_cpus(options.get("cpus"))
+        if cpus is not None:
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError:  # none of them is this container's (its cpuset): the training process's CPUs
                 pass
         delay = float(os.environ.get("DIPC_PLANNER_DELAY_S", "0") or 0)
         fail = bool(os.environ.get("DIPC_PLANNER_FAIL"))
@@ -147,7 +169,9 @@ def _serve(conn, compiled, options: dict) -> None:
                 plan = make_plan(compiled, w, head["step"], memory_limit=options.get("memory_limit"),
                                  schedule=head["schedule"], budget_s=head["budget_s"], seed=head["seed"],
                                  check=False)
-                validate(plan)  # as make_plan's check, whose digest would write the JSON text a second time
+                # as make_plan's check, whose digest would write the JSON text a second time; the field types are
+                # checked where the text is read (Plan.from_json, on every rank before the plan runs)
+                validate(plan, types=False)
                 text = plan.to_json()
                 reply.update(digest=step_digest(compiled, w), plan=text, schedule=head["schedule"],
                              n_microbatches=head["n_microbatches"], amp=head.get("amp"))
@@ -199,7 +223,7 @@ class BackgroundPlanner:
     Args:
         compiled: the :class:`dipc.CompiledPipeline` (inherited by the forked process, not serialised).
         options: the runtime's planning options: ``memory_limit`` (bytes or None), ``recompute`` (bool),
-            ``optimizer_states`` (int).
+            ``optimizer_states`` (int), ``cpus`` (the CPUs the process runs on, :func:`planner_cpus`).
         serve: a stand-in for the process's loop, ``serve(conn)`` reading frames and answering replies as the
             planner does (``bench/async_planning.py``'s ``handover`` mode answers with plans made beforehand, to
             measure the handover without the planning); None (the default) plans.

@@ -41,7 +41,7 @@ class PipelineRuntime:
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                  budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
                  dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None,
-                 simulate_steps: bool = True):
+                 simulate_steps: bool = True, planner_cpus=None):
         from ..codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
@@ -64,6 +64,16 @@ class PipelineRuntime:
         if not isinstance(simulate_steps, bool):
             raise ValueError(f"simulate_steps must be a bool, got {simulate_steps!r}")
         self.simulate_steps = simulate_steps
+        if planner_cpus is not None:
+            try:
+                cpus = sorted(planner_cpus)
+            except TypeError:
+                cpus = None
+            if not cpus or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
+                raise ValueError(f"planner_cpus must be None or a non-empty set of CPU numbers (ints >= 0), got "
+                                 f"{planner_cpus!r}")
+            planner_cpus = set(cpus)
+        self.planner_cpus = planner_cpus
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
                                "torch.distributed.init_process_group('gloo') (or 'nccl') first; torchrun sets the "
@@ -1468,7 +1478,8 @@ class PipelineRuntime:
             import weakref
 
             self._planner = BackgroundPlanner(self.compiled, {"memory_limit": self.memory_limit,
-                                                              "recompute": self.recompute})
+                                                              "recompute": self.recompute,
+                                                              "cpus": self.planner_cpus})
             weakref.finalize(self, self._planner.close)  # a runtime dropped without close() stops its planner
         budget = self.budget_s if template(schedule).kind == "interleave" else 0.0
         try:  # never raises: this rank's peers already run the step
