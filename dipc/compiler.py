@@ -829,14 +829,14 @@ class CompiledPipeline:
                 sizes the simulation costs about what the plan does).  The attribute ``pipe.simulate_steps`` can be
                 changed between steps.
             planner_cpus: the CPUs rank 0's background planning process runs on (a set of CPU numbers; DIP §2.2
-                plans on idle cores: on a GPU host, cores no rank or data loader uses).  Default: when this rank
-                is pinned to its own CPU (:func:`dipc.launch.pin_rank`, ``spawn(pin_cpus=True)``), the host's
-                other CPUs; else this process's CPUs (:func:`dipc.planner.background.planner_cpus`).
+                plans on idle cores: on a GPU host, cores no rank or data loader uses).  Default: when
+                :func:`dipc.launch.pin_rank` (``spawn(pin_cpus=True)``) pinned this rank to its CPU, the other CPUs
+                the ranks were pinned among; else this process's CPUs (:func:`dipc.planner.background.planner_cpus`).
 
         Raises:
             ValueError: unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
                 ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool;
-                ``planner_cpus`` not a non-empty set of CPU numbers.
+                ``planner_cpus`` not a non-empty set of this host's CPU numbers.
         """
         from .runtime import PipelineRuntime
         dp_group = None

@@ -68,6 +68,8 @@ def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
     Where every core runs a rank (2 CPU ranks on 2 cores), pinning keeps each rank's caches and lets rank 0's
     background planner (:class:`dipc.planner.background.BackgroundPlanner`) take the other cores, which idle while
     the pipeline fills, the time it plans (DIP §2.2 plans on idle cores): ``python bench/async_planning.py --pin``.
+    The CPUs the ranks are pinned among are kept in the environment variable ``DIPC_PINNED_CPUS`` (read by
+    :func:`dipc.planner.background.planner_cpus`).
 
     Returns:
         the CPU.
@@ -80,16 +82,25 @@ def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
     if not hasattr(os, "sched_setaffinity"):
         raise OSError("pinning needs os.sched_setaffinity (Linux)")
-    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
-    if not allowed or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in allowed):
-        raise ValueError(f"cpus must be a non-empty list of CPU numbers (ints >= 0), got {cpus!r}")
+    try:
+        allowed = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+    except TypeError:
+        allowed = None
+    n = os.cpu_count() or 1
+    if not allowed or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c in allowed):
+        raise ValueError(f"cpus must be a non-empty list of CPU numbers (ints from 0 to {n - 1}), got {cpus!r}")
     cpu = allowed[rank % len(allowed)]
-    os.sched_setaffinity(0, {cpu})
+    try:
+        os.sched_setaffinity(0, {cpu})
+    except OSError as e:
+        raise OSError(f"cannot pin rank {rank} to CPU {cpu} (not one this process may use?): {e}") from None
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
         try:
             os.sched_setaffinity(int(tid), {cpu})
         except OSError:  # a thread that just ended
             pass
+    # the CPUs the ranks were pinned among: rank 0's background planner takes the others (planner_cpus)
+    os.environ["DIPC_PINNED_CPUS"] = ",".join(map(str, sorted(set(allowed))))
     return cpu
 
 
@@ -141,7 +152,14 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
 
     Raises:
         SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
+        ValueError: ``pin_cpus`` is not a bool.
+        OSError: ``pin_cpus`` on a platform without ``os.sched_setaffinity`` (not Linux).
     """
+    if not isinstance(pin_cpus, bool):
+        raise ValueError(f"pin_cpus must be a bool, got {pin_cpus!r}")
+    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus and hasattr(os, "sched_getaffinity") else None
+    if pin_cpus and cpus is None:
+        raise OSError("pin_cpus needs os.sched_setaffinity (Linux)")
     # every rank must trace the model alike: a forward that iterates a set of strings (Hugging Face Gemma3's
     # set(config.layer_types)) follows the hash seed, so all ranks get the same one
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -149,11 +167,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    if not isinstance(pin_cpus, bool):
-        raise ValueError(f"pin_cpus must be a bool, got {pin_cpus!r}")
-    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus and hasattr(os, "sched_getaffinity") else None
-    if pin_cpus and cpus is None:
-        raise OSError("pin_cpus needs os.sched_setaffinity (Linux)")
     procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout, threads_per_rank, fn, tuple(args),
                                                queue, env, cpus), daemon=True) for r in range(nprocs)]
     for p in procs:

@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "check_types", "dry_run", "replay",
-           "stage_key", "recomputed_blocks", "recompute_layout", "forward_only"]
+           "stage_key", "stage_keys", "recomputed_blocks", "recompute_layout", "forward_only"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -399,7 +399,9 @@ def validate(plan: Plan, types: bool = True) -> list[tuple[int, int]]:
     """Check ``plan`` (see the module docstring) and return a feasible global execution order.
 
     ``types=False`` leaves out :func:`check_types`, for a plan built by dipc's own lowering whose JSON text every
-    rank reads with :meth:`Plan.from_json`, which checks them before the plan runs (the background planner).
+    rank reads with :meth:`Plan.from_json`, which checks them before the plan runs (the background planner).  It
+    trusts the fields' types: a plan with a field of the wrong type may then fail with a ``TypeError`` or
+    ``IndexError`` instead of a :class:`PlanError`, or pass.
 
     Returns:
         ``[(rank, action index), ...]``: an interleaving of all ranks' lists that the dry run executed; running the

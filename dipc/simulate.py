@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_key
+from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_keys
 
 __all__ = ["SimResult", "simulate_plan", "simulate", "simulate_workload"]
 
@@ -186,7 +186,8 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     act = activation_bytes or {}
     n = plan.n_ranks
     static = list(static_bytes) if static_bytes is not None else [0.0] * n
-    incoming = incoming_messages(plan)
+    keys = stage_keys(plan)  # each action's stage key, made once
+    incoming = incoming_messages(plan, keys)
     arrive: dict[int, tuple[float, float]] = {}  # message -> (when its send was posted, its transfer time)
     posted: dict[int, float] = {}  # message -> when its receive was posted
     clock = [0.0] * n
@@ -199,6 +200,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     send_held: list[tuple[int, int, float]] = []  # (rank, message, bytes)
 
     def visit(r: int, i: int, a) -> None:
+        st = keys[r][i]
         if a.kind in SENDS or a.kind in RECVS:
             cost = (_check_seconds(f"post_overhead for {a}", post_overhead(a.tensors)) if callable(post_overhead)
                     else post_overhead)
@@ -215,31 +217,31 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                 posted[a.msg] = clock[r]
                 if nb:
                     mem_events[r].append((clock[r], nb))
-                    recv_held[(r, a.stage)] = recv_held.get((r, a.stage), 0.0) + nb
+                    recv_held[(r, st)] = recv_held.get((r, st), 0.0) + nb
         elif a.kind in COMPUTE:
             ready = []
-            for m in incoming[a.stage]:
+            for m in incoming[st]:
                 sent_at, transfer = arrive[m]
                 if rendezvous is not None:
                     sent_at = max(sent_at, posted[m] + rendezvous)
                 ready.append(sent_at + transfer)
             start = max([clock[r]] + ready)
-            end = start + latency[a.stage]
+            end = start + latency[st]
             busy[r].append((start, end, str(a), a.kind))
             clock[r] = end
             if a.kind == "F":
-                mem_events[r].append((start, act.get(a.stage, 0.0)))
+                mem_events[r].append((start, act.get(st, 0.0)))
             else:
-                mem_events[r].append((end, -act.get(stage_key("F", a.chunk, a.mb, a.sub), 0.0)))
-            tb = transient.get(a.stage, 0.0)
+                mem_events[r].append((end, -act.get("F" + st[1:], 0.0)))
+            tb = transient.get(st, 0.0)
             if tb:
                 mem_events[r].append((start, tb))
                 mem_events[r].append((end, -tb))
-            held = recv_held.pop((r, a.stage), 0.0)
+            held = recv_held.pop((r, st), 0.0)
             if held:
                 mem_events[r].append((end, -held))
 
-    replay(plan, visit)
+    replay(plan, visit, keys)
     for r, m, nb in send_held:  # a send's copy goes once the message has arrived
         sent_at, transfer = arrive[m]
         if rendezvous is not None and m in posted:

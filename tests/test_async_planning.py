@@ -222,9 +222,11 @@ def _scenarios(rank, world):
 
 
 def test_planner_cpus_default_to_the_cpus_rank_0_leaves_and_bad_ones_are_refused():
-    """``planner_cpus``: given, they are the planning process's; by default the host's CPUs other than a pinned
-    training process's, none (the scheduler's choice) for an unpinned one; a bad value is refused by name when the
-    runtime is made (before it needs a process group)."""
+    """``planner_cpus``: given, they are the planning process's; by default, once ``pin_rank`` pinned the training
+    process, the other CPUs the ranks were pinned among; None (the scheduler's choice) for a process dipc did not
+    pin, a ``taskset`` restriction included (found by a break-it run: its planner left the user's CPUs); bad values
+    are refused by name, ``pin_rank``'s when called and the runtime's when it is made (before it needs a process
+    group)."""
     import os
 
     import torch
@@ -235,27 +237,34 @@ def test_planner_cpus_default_to_the_cpus_rank_0_leaves_and_bad_ones_are_refused
     from dipc.planner.background import planner_cpus
 
     assert planner_cpus({3, 1}) == {1, 3}
-    saved = os.sched_getaffinity(0)
+    saved, env = os.sched_getaffinity(0), os.environ.pop("DIPC_PINNED_CPUS", None)
     try:
-        if saved == set(range(os.cpu_count())):
-            assert planner_cpus() is None  # not pinned
+        assert planner_cpus() is None  # not pinned
+        os.sched_setaffinity(0, {min(saved)})  # restricted by the user (taskset), not by dipc: kept
+        assert planner_cpus() is None
+        os.sched_setaffinity(0, saved)
         cpu = pin_rank(0)
-        assert os.sched_getaffinity(0) == {cpu} == {sorted(saved)[0]}
-        assert planner_cpus() == (set(range(os.cpu_count())) - {cpu} or None)
-        with pytest.raises(ValueError, match="cpus must be a non-empty list"):
-            pin_rank(0, [])
+        assert os.sched_getaffinity(0) == {cpu} == {min(saved)}
+        assert planner_cpus() == (saved - {cpu} or None)
+        n = os.cpu_count()
+        for bad in ([], [-1], [True], [n], [2 ** 40], 5, "01"):
+            with pytest.raises(ValueError, match="cpus must be a non-empty list of CPU numbers"):
+                pin_rank(0, bad)
         with pytest.raises(ValueError, match="rank must be an int"):
             pin_rank(-1)
-    finally:  # every thread of this process back on its CPUs
+    finally:  # every thread of this process back on its CPUs, the environment as it was
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), saved)
             except OSError:
                 pass
+        os.environ.pop("DIPC_PINNED_CPUS", None)
+        if env is not None:
+            os.environ["DIPC_PINNED_CPUS"] = env
     torch.manual_seed(0)
     batches = pc.vlm_batches_mixed()
     compiled = dipc.compile(pc.vlm(), batches[0], 2)
-    for bad in ("01", [], [-1], [1.5], {True}, 3):
+    for bad in ("01", [], [-1], [1.5], {True}, 3, {os.cpu_count()}, {2 ** 40}):
         with pytest.raises(ValueError, match="planner_cpus must be None or a non-empty set"):
             compiled.runtime(planner_cpus=bad)
 

@@ -11,8 +11,9 @@ simulates the plan, so that the step report's bubble ratio, its causes and the p
 process nothing.
 
 The planning process runs at the lowest CPU priority (Linux ``SCHED_IDLE``, else ``nice`` 19): it plans on the cores
-the training processes leave idle.  It runs on the CPUs the runtime's ``planner_cpus`` names; by default, when rank 0
-is pinned to its own CPU (:func:`dipc.launch.pin_rank`), on the host's other CPUs (:func:`planner_cpus`).  It sends the plan first and then, when asked and unless the next batch already
+the training processes leave idle.  It runs on the CPUs the runtime's ``planner_cpus`` names; by default, when
+:func:`dipc.launch.pin_rank` pinned rank 0 to its CPU, on the other CPUs the ranks were pinned among
+(:func:`planner_cpus`).  It sends the plan first and then, when asked and unless the next batch already
 waits, the simulated figures of the step report.  The runtime asks for a step's plan with
 :meth:`BackgroundPlanner.take` and a deadline: a plan that is late, made for another batch, or that failed, or a
 planning process that died, gives ``None`` and the reason; the runtime then plans the step with its fallback
@@ -100,18 +101,25 @@ def _summary(compiled, w, plan, static_bytes) -> dict:
 
 
 def planner_cpus(cpus=None) -> set[int] | None:
-    """The CPUs the planning process runs on: ``cpus`` when given; else, when the training process is pinned
-    (:func:`dipc.launch.pin_rank`), the host's other CPUs (a planner that inherited rank 0's CPU would take it from
-    rank 0, whose forwards the whole pipeline waits for while it fills; the other ranks' cores idle then, and the
-    scheduler puts the planner wherever a core idles); None (the training process's CPUs, the scheduler's choice)
-    when it is not pinned, or the host has no other CPU."""
+    """The CPUs the planning process runs on: ``cpus`` when given; else, when :func:`dipc.launch.pin_rank` pinned
+    the training process, the other CPUs of those the ranks were pinned among (a planner that inherited rank 0's
+    CPU would take it from rank 0, whose forwards the whole pipeline waits for while it fills; the other ranks'
+    cores idle then, and the scheduler puts the planner wherever a core idles); None (the training process's CPUs,
+    the scheduler's choice) when dipc did not pin it (a ``taskset`` or ``numactl`` restriction is kept), or no
+    other CPU is left."""
     if cpus is not None:
         return set(cpus)
-    if not hasattr(os, "sched_getaffinity"):
+    pinned = os.environ.get("DIPC_PINNED_CPUS")
+    if not pinned or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        among = {int(c) for c in pinned.split(",")}
+    except ValueError:
         return None
     mine = os.sched_getaffinity(0)
-    others = set(range(os.cpu_count() or 1)) - mine
-    return others or None
+    if len(mine) != 1 or not mine <= among:  # re-pinned or widened since: not dipc's pinning any more
+        return None
+    return (among - mine) or None
 
 
 def _serve(conn, compiled, options: dict) -> None:
@@ -141,8 +149,9 @@ def _serve(conn, compiled, options: dict) -> None:
         if cpus is not None:
             try:
                 os.sched_setaffinity(0, cpus)
-            except OSError:  # none of them is this container's (its cpuset): the training process's CPUs
-                pass
+            except (OSError, OverflowError, ValueError) as e:  # none of them this container's: the training process's
+                log.warning("dipc: the background planner cannot run on CPUs %s (%s); it runs on the training "
+                            "process's CPUs %s", sorted(cpus), e, sorted(os.sched_getaffinity(0)))
         delay = float(os.environ.get("DIPC_PLANNER_DELAY_S", "0") or 0)
         fail = bool(os.environ.get("DIPC_PLANNER_FAIL"))
         static = compiled.rank_state_bytes(options.get("optimizer_states", 2))

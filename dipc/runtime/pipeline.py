@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import defaultdict
 import logging
@@ -69,9 +70,10 @@ class PipelineRuntime:
                 cpus = sorted(planner_cpus)
             except TypeError:
                 cpus = None
-            if not cpus or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cpus):
-                raise ValueError(f"planner_cpus must be None or a non-empty set of CPU numbers (ints >= 0), got "
-                                 f"{planner_cpus!r}")
+            n = os.cpu_count() or 1
+            if not cpus or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c in cpus):
+                raise ValueError(f"planner_cpus must be None or a non-empty set of CPU numbers (ints from 0 to "
+                                 f"{n - 1}), got {planner_cpus!r}")
             planner_cpus = set(cpus)
         self.planner_cpus = planner_cpus
         if not dist.is_available() or not dist.is_initialized():
