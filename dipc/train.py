@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--save", default=None, help="write the generated chunk sources to this folder")
     p.add_argument("--timeout", type=float, default=900.0,
-                   help="seconds any distributed wait may take")
+                   help="seconds any distributed wait may take; without torchrun also the whole job's limit")
     p.add_argument("--sync-planning", action="store_true",
                    help="plan each step at its start instead of in the background during the previous step")
     p.add_argument("--report", type=int, default=None, metavar="STEP",
