@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn", "pin_rank", "free_port", "init_from_env", "SpawnError"]
+__all__ = ["spawn", "pin_rank", "check_cpus", "free_port", "init_from_env", "SpawnError"]
 
 
 class SpawnError(RuntimeError):
@@ -60,6 +60,24 @@ def _context():
     return ctx
 
 
+def check_cpus(cpus, name: str) -> list[int]:
+    """``cpus`` as a list of this host's CPU numbers (ints from 0 to ``os.cpu_count() - 1``, in the given order).
+
+    Raises:
+        ValueError: ``cpus`` is not a non-empty iterable of them, naming ``name`` and the value.
+    """
+    try:
+        out = list(cpus)
+    except TypeError:
+        out = []
+    n = os.cpu_count() or 1
+    if isinstance(cpus, (str, bytes)) or not out or any(
+            isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c in out):
+        raise ValueError(f"{name} must be a non-empty list or set of CPU numbers (ints from 0 to {n - 1}), got "
+                         f"{cpus!r}")
+    return out
+
+
 def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
     """Pin this process (every thread it has; threads started later inherit it) to one CPU: ``cpus[rank %
     len(cpus)]``, ``cpus`` by default the CPUs this process may run on now.  Under torchrun:
@@ -75,20 +93,14 @@ def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
         the CPU.
 
     Raises:
-        ValueError: ``rank`` is not an int >= 0, or ``cpus`` is empty or holds a non-int or negative CPU.
+        ValueError: ``rank`` is not an int >= 0, or ``cpus`` is not a non-empty list of this host's CPU numbers.
         OSError: the platform has no ``os.sched_setaffinity`` (not Linux) or refuses the CPU.
     """
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
     if not hasattr(os, "sched_setaffinity"):
         raise OSError("pinning needs os.sched_setaffinity (Linux)")
-    try:
-        allowed = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
-    except TypeError:
-        allowed = None
-    n = os.cpu_count() or 1
-    if not allowed or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c in allowed):
-        raise ValueError(f"cpus must be a non-empty list of CPU numbers (ints from 0 to {n - 1}), got {cpus!r}")
+    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else check_cpus(cpus, "cpus")
     cpu = allowed[rank % len(allowed)]
     try:
         os.sched_setaffinity(0, {cpu})

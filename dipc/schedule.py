@@ -597,7 +597,7 @@ def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step
         return Action(kind, here.chunk, here.mb, here.sub, there.rank, there.chunk, there.sub, m, tuple(tensors))
 
     def post_receives(r: int, k: str) -> None:
-        for m, src_rank in incoming.get(k, ()):  # in the consumer's edge order, as its sends were numbered
+        for m, src_rank in incoming.get(k, ()):  # in the order of the edges into k
             if m in posted:
                 continue
             queue = pending[(src_rank, r)]

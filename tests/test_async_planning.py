@@ -248,7 +248,7 @@ def test_planner_cpus_default_to_the_cpus_rank_0_leaves_and_bad_ones_are_refused
         assert planner_cpus() == (saved - {cpu} or None)
         n = os.cpu_count()
         for bad in ([], [-1], [True], [n], [2 ** 40], 5, "01"):
-            with pytest.raises(ValueError, match="cpus must be a non-empty list of CPU numbers"):
+            with pytest.raises(ValueError, match="cpus must be a non-empty list or set of CPU numbers"):
                 pin_rank(0, bad)
         with pytest.raises(ValueError, match="rank must be an int"):
             pin_rank(-1)
@@ -265,7 +265,7 @@ def test_planner_cpus_default_to_the_cpus_rank_0_leaves_and_bad_ones_are_refused
     batches = pc.vlm_batches_mixed()
     compiled = dipc.compile(pc.vlm(), batches[0], 2)
     for bad in ("01", [], [-1], [1.5], {True}, 3, {os.cpu_count()}, {2 ** 40}):
-        with pytest.raises(ValueError, match="planner_cpus must be None or a non-empty set"):
+        with pytest.raises(ValueError, match="planner_cpus must be a non-empty list or set of CPU numbers"):
             compiled.runtime(planner_cpus=bad)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from collections import defaultdict
 import logging
@@ -66,15 +65,9 @@ class PipelineRuntime:
             raise ValueError(f"simulate_steps must be a bool, got {simulate_steps!r}")
         self.simulate_steps = simulate_steps
         if planner_cpus is not None:
-            try:
-                cpus = sorted(planner_cpus)
-            except TypeError:
-                cpus = None
-            n = os.cpu_count() or 1
-            if not cpus or any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < n for c in cpus):
-                raise ValueError(f"planner_cpus must be None or a non-empty set of CPU numbers (ints from 0 to "
-                                 f"{n - 1}), got {planner_cpus!r}")
-            planner_cpus = set(cpus)
+            from ..launch import check_cpus
+
+            planner_cpus = set(check_cpus(planner_cpus, "planner_cpus"))
         self.planner_cpus = planner_cpus
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("dipc runtime needs an initialised process group: call "
