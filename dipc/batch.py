@@ -12,6 +12,12 @@
   (image and text tensors are never split independently along dim 0).
 * An instance modality's work in a microbatch with N_i instances is split into ``M_i = ceil(N_i / B_i)`` near-equal
   sub-microbatches (DIP, shared/PAPER.md §2.1 step 4).
+* Per-sample values that the trace holds as constants (:attr:`BatchSpec.sample_constants`: a static key or a Python
+  list with one entry per sample, such as LLaVA-OneVision's ``batch_num_images [B]``, which decides how each of a
+  sample's images is tiled) describe instances through their samples.  A sub-microbatch then holds the instances
+  of whole samples, and its view (:meth:`Microbatch.sub_view`) is those samples' sub-batch, every per-sample key
+  and value sliced with them: no sub-microbatch reads another's per-sample values.  Sub-microbatches are packed
+  greedily up to B_i instances; a sample with more than B_i instances is a sub-microbatch of its own.
 * Loss semantics: a token-mean loss over the batch stays a token-mean over the whole batch: microbatch m's loss is
   weighted ``n_m / n`` (its labelled tokens over the batch's), a sample-mean loss ``B_m / B``.
 """
@@ -84,6 +90,10 @@ class Microbatch:
         subs: modality -> list of ``(start, stop)`` instance ranges of its sub-microbatches (M_i entries; sample
             ranges for per-sample instance keys).
         weight: this microbatch's share of the batch loss.
+        sub_samples: modality -> ``(start, stop)`` sample range of each sub-microbatch, for modalities whose
+            sub-microbatches hold whole samples (the batch has :attr:`BatchSpec.sample_constants`); the ranges
+            partition the microbatch's samples.
+        sample_keys: the keys a sample range slices (per-sample tensors and Python lists), with ``sub_samples``.
     """
 
     index: int
@@ -91,12 +101,24 @@ class Microbatch:
     instances: dict[str, int]
     subs: dict[str, list[tuple[int, int]]]
     weight: float
+    sub_samples: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    sample_keys: frozenset = frozenset()
 
     def sub_view(self, inst: Instances, sub: int) -> dict[str, torch.Tensor]:
-        """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``."""
+        """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``; where its sub-microbatches hold
+        whole samples (``sub_samples``), the sub-batch of those samples: every per-sample key and value sliced with
+        them, so the trace of the view sees its own samples' values (e.g. ``batch_num_images``)."""
         lo, hi = self.subs[inst.modality][sub]
         view = dict(self.data)
-        view.update(inst.cut(self.data, lo, hi))
+        samples = self.sub_samples.get(inst.modality)
+        if samples is None:
+            view.update(inst.cut(self.data, lo, hi))
+            return view
+        s_lo, s_hi = samples[sub]
+        for k in self.sample_keys:
+            if k in view:
+                view[k] = view[k][s_lo:s_hi]
+        view.update(inst.cut(self.data, lo, hi, sample_lo=s_lo))
         return view
 
     def meta(self) -> dict:
@@ -123,6 +145,9 @@ class BatchSpec:
             ``ignore``), e.g. token ids in the embedding's vocabulary, class labels of a cross-entropy.
         instances: instance modalities.
         loss: the loss reduction.
+        sample_constants: per-sample keys whose values the trace holds as constants (static keys read with
+            ``.tolist()`` and Python lists of one entry per sample); with any, sub-microbatches hold whole samples
+            (see the module docstring).  Set by the compiler from its first capture.
     """
 
     keys: dict[str, tuple[int, torch.dtype]]
@@ -135,6 +160,7 @@ class BatchSpec:
     same_shape: list[tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=list)
     variable_trailing: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     value_ranges: list[tuple[str, int, int, int | None, str]] = dataclasses.field(default_factory=list)
+    sample_constants: set[str] = dataclasses.field(default_factory=set)
 
     def normalize(self, batch: Mapping[str, torch.Tensor]) -> dict:
         """A shallow copy where an instance key given as ``None`` (or left out, for instances the model takes as
@@ -277,6 +303,7 @@ class BatchSpec:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         inst_start = {m: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]).tolist()
                       for m, c in counts.items()}
+        sample_keys = frozenset(self.per_sample_keys) | {k for k, kind in self.values.items() if kind == "sample"}
         mbs = []
         for i, (s, n) in enumerate(zip(starts, sizes)):
             data = {}
@@ -285,7 +312,7 @@ class BatchSpec:
                     data[k] = v
                 elif k not in self.instance_keys:
                     data[k] = v[s:s + n]
-            ninst, subs = {}, {}
+            ninst, subs, sub_samples = {}, {}, {}
             for inst in self.instances:
                 lo, hi = inst_start[inst.modality][s], inst_start[inst.modality][s + n]
                 N = ninst[inst.modality] = hi - lo
@@ -299,13 +326,18 @@ class BatchSpec:
                     subs[inst.modality] = []
                     continue
                 data.update(inst.cut(batch, lo, hi, sample_lo=s))
+                if self.sample_constants and not whole_instances:
+                    subs[inst.modality], sub_samples[inst.modality] = whole_sample_subs(
+                        counts[inst.modality][s:s + n].tolist(), inst.sub_microbatch_size)
+                    continue
                 M = (1 if N else 0) if whole_instances else math.ceil(N / inst.sub_microbatch_size)
                 ranges, o = [], 0
                 for sz in (near_equal(N, M) if M else []):
                     ranges.append((o, o + sz))
                     o += sz
                 subs[inst.modality] = ranges
-            mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0))
+            mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0,
+                                  sub_samples=sub_samples, sample_keys=sample_keys))
         nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
         if self.loss.kind == "token_mean" and not allow_unlabelled and total == 0:
@@ -314,6 +346,35 @@ class BatchSpec:
         for mb, x in zip(mbs, nums):
             mb.weight = 1.0 if self.loss.kind == "sum" else (x / total if total else 0.0)
         return mbs
+
+
+def whole_sample_subs(counts: Sequence[int], size: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Sub-microbatches that hold whole samples' instances: samples are packed in order while a sub-microbatch
+    stays within ``size`` instances (a sample with more is one sub-microbatch of its own).
+
+    Args:
+        counts: instances of each sample of the microbatch, ``[n]``.
+        size: B_i, the sub-microbatch size.
+
+    Returns:
+        ``(instance ranges, sample ranges)``, one ``(start, stop)`` pair each per sub-microbatch; the sample ranges
+        partition ``[0, n)`` (samples without instances join the sub-microbatch before them, leading ones the
+        first), so the one sub-microbatch of a microbatch is the microbatch itself.
+    """
+    groups: list[list[int]] = []  # per sub-microbatch: [first instance, stop instance, first sample]
+    o = 0
+    for b, c in enumerate(counts):
+        if not c:
+            continue
+        if groups and groups[-1][1] - groups[-1][0] + c <= size:
+            groups[-1][1] += c
+        else:
+            groups.append([o, o + c, b])
+        o += c
+    if not groups:
+        return [], []
+    starts = [0] + [g[2] for g in groups[1:]]
+    return [(g[0], g[1]) for g in groups], list(zip(starts, starts[1:] + [len(counts)]))
 
 
 #: per-sample keys that Hugging Face processors align token by token with ``input_ids`` (their dim 1 must stay equal)

@@ -100,6 +100,7 @@ class CompiledPipeline:
         self.batch_spec: BatchSpec = batch_spec_from_example(example_batch, instances, loss, variable,
                                                              index_ranges(cap), shared=shared_keys,
                                                              tied=_tied_dims(cap))
+        self.batch_spec.sample_constants = _sample_constants(self.batch_spec, self.static_keys, example_batch)
         annotate_modality(cap.graph, self.rules)
         self.rules_matched = any(_rule_hit(n, self.rules) for n in cap.graph.nodes if n.op == "call_function")
         if modalities is not None:
@@ -856,6 +857,31 @@ class CompiledPipeline:
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
                                simulate_steps=simulate_steps, planner_cpus=planner_cpus)
+
+
+def _sample_constants(spec: BatchSpec, static_keys: Sequence[str], example: Mapping[str, Any]) -> set[str]:
+    """The per-sample keys whose values the trace holds as constants: static keys (read with ``.tolist()``) and
+    Python lists with one entry per sample.  Sub-microbatches of a batch with any hold whole samples
+    (:mod:`dipc.batch`), so no sub-microbatch's trace reads another's values.
+
+    Raises:
+        BatchError: a Python list that is not per-sample has one entry per instance of a sub-microbatched modality
+            (e.g. tiles per image): dipc cannot cut a Python value with the instances it describes, and every
+            microbatch would read the whole batch's list; the error asks for it as a tensor instance key.
+    """
+    n_inst = {i.modality: i.n_instances(example) for i in spec.instances if not i.per_sample}
+    for k, kind in spec.values.items():
+        v = example[k]
+        if kind == "shared" and isinstance(v, (list, tuple)) and len(v) > 1:
+            for mod, n in n_inst.items():
+                if len(v) == n:
+                    raise BatchError(
+                        f"batch value {k!r} is a Python list of {n} entries, one per {mod} instance of the example "
+                        f"batch: dipc cannot cut a Python value with the instances it describes (every microbatch "
+                        f"and sub-microbatch would read the whole list); give it as a tensor with the instances "
+                        f"as dim 0 and add it to the instance keys: Instances({mod!r}, keys=(..., {k!r}))")
+    per_sample = set(spec.per_sample_keys)
+    return {k for k in static_keys if k in per_sample} | {k for k, kind in spec.values.items() if kind == "sample"}
 
 
 def _mode_dependent(model: torch.nn.Module) -> bool:

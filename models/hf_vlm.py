@@ -16,6 +16,8 @@ name                      class                                  image inputs of
 ``mllama``                ``MllamaForConditionalGeneration``     ``pixel_values [B, max_images, max_tiles, 3, H,
                                                                  W]``, ``aspect_ratio_ids``, ``aspect_ratio_mask``,
                                                                  ``cross_attention_mask [B, S, max_images, tiles]``
+``llava_onevision``       ``LlavaOnevisionForConditionalGeneration`` ``pixel_values [N, max_tiles, 3, H, W]``,
+                                                                 ``image_sizes [N, 2]``, ``batch_num_images [B]``
 ========================  =====================================  ==============================================
 
 ``N`` = images in the batch, ``B`` = samples, ``S`` = ``seq``.  Common to every builder:
@@ -50,6 +52,8 @@ __all__ = [
     "tiny_llava_next_config", "tiny_llava_next", "llava_next_batch", "llava_next_tokens_per_image",
     "llava_next_num_patches",
     "tiny_mllama_config", "tiny_mllama", "mllama_batch", "MLLAMA_GATE_VALUE",
+    "tiny_llava_onevision_config", "tiny_llava_onevision", "llava_onevision_batch",
+    "llava_onevision_tokens_per_image", "llava_onevision_instances",
     "IDEFICS3_FAKE_TOKEN", "IDEFICS3_GLOBAL_IMG", "BUILDERS",
 ]
 
@@ -507,13 +511,18 @@ def llava_next_tokens_per_image(config, height: int, width: int) -> int:
     """Placeholder tokens of an image of original size ``(height, width)`` (the model's ``pack_image_features``):
     base crop ``p*p`` (``p = image_size // patch_size``; +1 with the "full" strategy per crop) plus the unpadded
     anyres grid ``rows * cols`` plus one ``image_newline`` per row."""
+    if config.vision_feature_select_strategy == "full":  # "full" keeps CLS: pack_image_features would not line up
+        raise NotImplementedError("vision_feature_select_strategy='full' is not supported by this helper")
+    return _anyres_tokens(config, height, width)
+
+
+def _anyres_tokens(config, height: int, width: int) -> int:
+    """Tokens of an "anyres" image with ``p*p`` features per tile: the base tile, the unpadded grid of the best
+    pinpoint's tiles, one ``image_newline`` per grid row."""
     v = config.vision_config
     p = v.image_size // v.patch_size
-    full = 1 if config.vision_feature_select_strategy == "full" else 0
     bh, bw = _best_resolution(height, width, config.image_grid_pinpoints)
     cur_h, cur_w = (bh // v.image_size) * p, (bw // v.image_size) * p
-    if full:  # "full" keeps CLS: the reshape of pack_image_features would not line up; not used here
-        raise NotImplementedError("vision_feature_select_strategy='full' is not supported by this helper")
     if width / height > cur_w / cur_h:
         new_h = int(round(height * (cur_w / width), 7))
         cur_h -= 2 * ((cur_h - new_h) // 2)
@@ -573,6 +582,107 @@ def llava_next_batch(counts, seq, seed, config=None, image_hw=((16, 32),)):
         crops = [llava_next_num_patches(config, h, w) for h, w in hw]
         pv = torch.zeros(len(hw), max(crops), 3, s, s)
         for i, c in enumerate(crops):
+            pv[i, :c] = torch.randn(c, 3, s, s, generator=g)
+        batch["pixel_values"] = pv
+        batch["image_sizes"] = torch.tensor(hw, dtype=torch.long)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------- LLaVA-OneVision
+def tiny_llava_onevision_config(attn_implementation: str = "sdpa", vocab_size: int = 128):
+    """A ``LlavaOnevisionConfig``: SigLIP vision 16 px, patch 8 (2x2 patches per tile, no CLS: the "full" feature
+    strategy), width 32, 3 layers (features from the last); ``image_grid_pinpoints [[16, 32], [32, 16], [32, 32]]``,
+    ``vision_aspect_ratio="anyres_max_9"``; Qwen2 text width 32, 2 layers, 4 heads / 2 KV heads, vocabulary 128;
+    ``image_token_id = 127``."""
+    from transformers import LlavaOnevisionConfig, Qwen2Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(image_size=16, patch_size=8, hidden_size=32, intermediate_size=64,
+                                num_hidden_layers=3, num_attention_heads=2)
+    text = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, use_cache=False,
+                       tie_word_embeddings=False)
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=vocab_size - 1,
+                                  vision_feature_select_strategy="full", vision_feature_layer=-1,
+                                  image_grid_pinpoints=[[16, 32], [32, 16], [32, 32]],
+                                  vision_aspect_ratio="anyres_max_9", tie_word_embeddings=False)
+    return _finish_config(config, attn_implementation)
+
+
+def llava_onevision_tokens_per_image(config, height: int, width: int, single: bool) -> int:
+    """Placeholder tokens of an image of original size ``(height, width)`` as ``LlavaOnevisionProcessor`` counts
+    them: the only image of its sample (``single``) is tiled "anyres" like LLaVA-NeXT
+    (:func:`llava_next_tokens_per_image`; the tiny sizes never reach ``anyres_max_9``'s down-scaling); each image
+    of a multi-image sample is its base tile alone, ``p*p`` features plus one ``image_newline``."""
+    v = config.vision_config
+    p = v.image_size // v.patch_size
+    if not single:
+        return p * p + 1
+    return _anyres_tokens(config, height, width)
+
+
+def llava_onevision_instances(config=None, sub_microbatch_size: int = 12):
+    """The ``dipc.Instances`` a LLaVA-OneVision user declares: ``pixel_values`` and ``image_sizes`` per image,
+    placeholder tokens per image from :func:`llava_onevision_tokens_per_image`, which reads each image's sample
+    image count from the per-sample ``batch_num_images [B]``."""
+    import torch
+
+    import dipc
+
+    config = config or tiny_llava_onevision_config()
+
+    def tokens(batch):
+        sizes = batch["image_sizes"].tolist()
+        single = [int(n) == 1 for n in batch["batch_num_images"].tolist() for _ in range(int(n))]
+        return torch.tensor([llava_onevision_tokens_per_image(config, h, w, one)
+                             for (h, w), one in zip(sizes, single)], dtype=torch.long)
+
+    return [dipc.Instances("vision", ("pixel_values", "image_sizes"), config.image_token_id, tokens,
+                           drop_when_empty=True, sub_microbatch_size=sub_microbatch_size)]
+
+
+def tiny_llava_onevision(seed: int = 0, config=None):
+    """``LlavaOnevisionForConditionalGeneration`` from :func:`tiny_llava_onevision_config`.
+
+    Forward: ``need_patching = [n == 1 for n in batch_num_images for _ in range(n)]`` (a per-sample count read in
+    Python), then per image ``image_size_to_num_patches(image_sizes[i])`` tiles when patched, else 1; those Python
+    counts pick ``pixel_values[i][:tiles]`` and split the projected features, and ``pack_image_features`` unpads
+    each image's grid (``image_sizes[i]``) and adds ``image_newline``.  With the default tiny sizes a 32x32 image
+    alone in its sample is 5 tiles and 24 tokens; an image of a multi-image sample 1 tile and 5 tokens.
+    """
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    return _build(LlavaOnevisionForConditionalGeneration, config or tiny_llava_onevision_config(), seed)
+
+
+def llava_onevision_batch(counts, seq, seed, config=None, image_hw=((32, 32),)):
+    """A LLaVA-OneVision batch as ``LlavaOnevisionProcessor`` lays it out.
+
+    Image ``k`` (sample order) has original size ``image_hw[k % len(image_hw)]``; its text is ``<image>`` times
+    :func:`llava_onevision_tokens_per_image` (anyres tiles when it is its sample's only image).
+
+    Keys: ``input_ids [B, S]``, ``labels [B, S]`` (-100 at ``<image>``), ``batch_num_images [B]`` int64 (images of
+    each sample), and when the batch has an image ``pixel_values [N, max_tiles, 3, 16, 16]`` (tiles beyond an
+    image's own count are zero padding, as the processor pads) and ``image_sizes [N, 2]`` int64
+    ``(height, width)``.  Text-only batch: no ``pixel_values`` / ``image_sizes``.
+    """
+    import torch
+
+    counts = _check_counts(counts)
+    config = config or tiny_llava_onevision_config()
+    img = config.image_token_id
+    hw = [image_hw[k % len(image_hw)] for k in range(sum(counts))]
+    single = [c == 1 for c in counts for _ in range(c)]
+    tpi = [llava_onevision_tokens_per_image(config, h, w, one) for (h, w), one in zip(hw, single)]
+    rows, g = _rows(counts, seq, seed, lambda k: [img] * tpi[k], img)
+    input_ids = torch.tensor(rows, dtype=torch.long)
+    batch = {"input_ids": input_ids, "labels": _labels(input_ids, (img,)),
+             "batch_num_images": torch.tensor(counts, dtype=torch.long)}
+    if hw:
+        s = config.vision_config.image_size
+        tiles = [llava_next_num_patches(config, h, w) if one else 1 for (h, w), one in zip(hw, single)]
+        pv = torch.zeros(len(hw), max(llava_next_num_patches(config, h, w) for h, w in hw), 3, s, s)
+        for i, c in enumerate(tiles):
             pv[i, :c] = torch.randn(c, 3, s, s, generator=g)
         batch["pixel_values"] = pv
         batch["image_sizes"] = torch.tensor(hw, dtype=torch.long)
@@ -711,4 +821,5 @@ BUILDERS = {
     "idefics3": (tiny_idefics3, idefics3_batch),
     "llava_next": (tiny_llava_next, llava_next_batch),
     "mllama": (tiny_mllama, mllama_batch),
+    "llava_onevision": (tiny_llava_onevision, llava_onevision_batch),
 }

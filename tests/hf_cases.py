@@ -72,6 +72,28 @@ def llava_next_instances():
                            drop_when_empty=True)]
 
 
+def llava_onevision():
+    return hf_vlm.tiny_llava_onevision(0)
+
+
+#: images per sample (6 samples, 2 microbatches of 3): a 32x32 image alone in its sample is 5 tiles and 24 tokens,
+#: each image of a multi-image sample 1 tile and 5 tokens; [1, 2, 1] in one microbatch is the layout whose image
+#: sub-microbatches read another's tile counts before issue 35
+ONEVISION_COUNTS = [[1, 2, 0, 1, 0, 1], [0, 0, 0, 1, 2, 1], [2, 1, 1, 1, 0, 0], [1, 2, 1, 0, 0, 0]]
+
+
+def llava_onevision_batches():
+    """Example, then a text-only microbatch first, a two-image sample before single ones, a text-only one last."""
+    return [hf_vlm.llava_onevision_batch(c, s, seed) for seed, (c, s) in
+            enumerate(zip(ONEVISION_COUNTS, [40, 36, 40, 44]))]
+
+
+def llava_onevision_instances():
+    """The documented declaration: ``pixel_values`` and ``image_sizes`` per image, tokens per image from the
+    per-sample ``batch_num_images``, two images per sub-microbatch."""
+    return hf_vlm.llava_onevision_instances(sub_microbatch_size=2)
+
+
 def llava():
     from dipc.models.hf import tiny_llava
     return tiny_llava(0)
@@ -117,6 +139,8 @@ CASES = {
     "idefics3": ("hf_cases:idefics3", "hf_cases:idefics3_batches", {}),
     "llava_next": ("hf_cases:llava_next", "hf_cases:llava_next_batches", {"instances": "hf_cases:llava_next_instances"}),
     "llava": ("hf_cases:llava", "hf_cases:llava_batches", {"sub_microbatch_size": {"vision": 1}}),
+    "llava_onevision": ("hf_cases:llava_onevision", "hf_cases:llava_onevision_batches",
+                        {"instances": "hf_cases:llava_onevision_instances"}),
     "flux": ("hf_cases:flux", "hf_cases:flux_with_ids_batches", {"shared_keys": ["img_ids", "txt_ids"]}),
     "sd3": ("hf_cases:sd3", "hf_cases:sd3_batches", {}),
 }

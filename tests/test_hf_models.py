@@ -36,6 +36,8 @@ def _train_all(rank, world, names):
         out[name] = {"loss": rep["loss"], "grad_err": rep["grad_err"], "n_params": rep["n_params"],
                      "seconds": time.perf_counter() - t, "compile_s": rep["compile_s"],
                      "captures": rep["n_programs"]}
+    if "llava_onevision" in names:
+        out["onevision_sub_sizes"] = _onevision_sub_sizes(rank)
     if "llava" in names:
         out["llava_eval"] = _llava_eval_outputs(rank, world)
         out["llava_recompute"] = _llava_per_layer_recompute(rank, world)
@@ -95,6 +97,38 @@ def _llava_per_layer_recompute(rank, world):
     return seen
 
 
+def _onevision_sub_sizes(rank, pp=3):
+    """Issue 35 §1 on LLaVA-OneVision: ``batch_num_images`` (per sample, a constant of the trace) decides each image's
+    tiles, so image sub-microbatches must see their own samples' counts.  A ``pp``-rank pipeline (run in this
+    process) at sub-microbatch sizes 1, 2 and 3 equals the unsplit model's loss and every gradient on a microbatch
+    holding [1, 2, 1] images (5, 1, 1 and 5 tiles), with a text-only microbatch first and then last.  Rank 0 only;
+    returns the (size, batch) pairs checked."""
+    if rank != 0:
+        return 0
+    import dataclasses
+
+    import hf_cases
+    import torch
+
+    import dipc
+    from dipc.testing import local_check
+
+    torch.manual_seed(0)
+    model = hf_cases.llava_onevision()
+    batches = hf_cases.llava_onevision_batches()
+    c = dipc.compile(model, batches[0], pp, instances=hf_cases.llava_onevision_instances(), check=False)
+    inst = c.batch_spec.instances[0]
+    seen = 0
+    for size, subs in ((1, [(0, 1), (1, 3), (3, 4)]), (2, [(0, 1), (1, 3), (3, 4)]), (3, [(0, 3), (3, 4)])):
+        c.batch_spec.instances = [dataclasses.replace(inst, sub_microbatch_size=size)]
+        for b, images in ((batches[1], 1), (batches[3], 0)):  # [0, 0, 0 | 1, 2, 1], then [1, 2, 1 | 0, 0, 0]
+            mbs = c.batch_spec.split(b, 2)
+            assert mbs[images].subs["vision"] == subs and mbs[1 - images].subs["vision"] == []
+            local_check(model, c, b, 2)
+            seen += 1
+    return seen
+
+
 def _llava_eval_outputs(rank, world):
     """Forward-only evaluation handing back Hugging Face LLaVA's logits (issue 11, point 1): on the last rank the
     whole batch's ``[B, S, vocab]`` logits equal the unsplit model's under no_grad, with the labels (loss too) and
@@ -146,6 +180,8 @@ def _check(names):
         a, b = reports[0][name], reports[1][name]
         assert a["loss"] == b["loss"], f"{name}: ranks disagree on the loss"
         assert a["n_params"] > 0 and b["n_params"] > 0, f"{name}: a rank holds no parameter"
+    if "llava_onevision" in names:
+        assert reports[0]["onevision_sub_sizes"] == 6, "LLaVA-OneVision's sub-microbatch sizes were not all checked"
     if "llava" in names:
         assert [r["llava_eval"] for r in reports] == [0, 2], "the logits were not compared on the last rank"
         assert reports[0]["llava_recompute"] == 2, "per-layer recompute was not checked on both batch orders"
@@ -156,8 +192,8 @@ def _check(names):
 
 @pytest.mark.timeout(900)
 def test_hf_models_match_the_unsplit_model_on_2_ranks():
-    """The default suite's share: PaliGemma, LLaVA-NeXT (per-image token counts), LLaVA (re-captured image counts)
-    and the Flux transformer."""
+    """The default suite's share: PaliGemma, LLaVA-NeXT (per-image token counts), LLaVA-OneVision (per-sample
+    image counts that decide each image's tiles), LLaVA (re-captured image counts) and the Flux transformer."""
     import hf_cases
     _check([n for n in hf_cases.CASES if n not in hf_cases.SLOW])
 

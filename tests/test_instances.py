@@ -1,6 +1,8 @@
 """Instances laid out as real multimodal models lay them out (issue 7 §4), in one process against the eager model:
 patch-packed rows with a grid and per-image token counts, an owner index, per-sample padded images; each with
 sub-microbatches, microbatches without images, and the errors bad layouts raise."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,3 +172,81 @@ def test_per_sample_padded_images_are_cut_with_their_samples():
     with pytest.raises(BatchError, match=r"must agree in size where the model's trace ties them, but differ here: "
                                          r"\{'input_ids.shape\[0\]': 4, 'pixel.shape\[0\]': 3"):
         c.batch_spec.split(dict(b, pixel=b["pixel"][:3]), 2)
+
+
+class TiledVLM(torch.nn.Module):
+    """LLaVA-OneVision-like: ``pixel [n_images, max_tiles, D]``; the per-sample ``n_images [B]`` is iterated in Python
+    (as its ``batch_num_images``, so it is a constant of the trace) and decides each image's tiles: the only image of its sample
+    uses ``TILES`` tiles and as many placeholder tokens, an image of a multi-image sample its first tile, one
+    token."""
+
+    TILES = 3
+
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = _Stack(3)
+        self.embed = torch.nn.Embedding(64, D)
+        self.language_model = _Stack(3)
+        self.head = torch.nn.Linear(D, 64)
+
+    def forward(self, input_ids, n_images, labels, pixel=None):
+        emb = self.embed(input_ids)
+        if pixel is not None:
+            single = [n == 1 for n in n_images for _ in range(n)]
+            tiles = torch.cat([pixel[i, :self.TILES if one else 1] for i, one in enumerate(single)])
+            feats = self.vision_tower(tiles)
+            emb = emb.masked_scatter((input_ids == TOK).unsqueeze(-1), feats)
+        logits = self.head(self.language_model(emb))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+
+
+def tiled_batch(counts, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TOK, (len(counts), seq), generator=g)
+    for b, k in enumerate(counts):
+        n_tok = TiledVLM.TILES if k == 1 else k
+        ids[b, 1:1 + n_tok] = TOK
+    batch = {"input_ids": ids, "n_images": torch.tensor(counts, dtype=torch.long),
+             "labels": ids.masked_fill(ids == TOK, -100)}
+    if sum(counts):
+        batch["pixel"] = torch.randn(sum(counts), TiledVLM.TILES, D, generator=g)
+    return batch
+
+
+def _tiled_tokens(batch):
+    return torch.tensor([TiledVLM.TILES if n == 1 else 1 for n in batch["n_images"].tolist() for _ in range(n)])
+
+
+def test_whole_sample_sub_microbatches_pack_samples_in_order():
+    from dipc.batch import whole_sample_subs
+    assert whole_sample_subs([1, 2, 1], 2) == ([(0, 1), (1, 3), (3, 4)], [(0, 1), (1, 2), (2, 3)])
+    assert whole_sample_subs([1, 2, 1], 3) == ([(0, 3), (3, 4)], [(0, 2), (2, 3)])
+    # samples without instances join the sub-microbatch before them (leading ones the first); a sample with more
+    # than B_i instances is a sub-microbatch of its own
+    assert whole_sample_subs([0, 1, 0, 4, 0], 2) == ([(0, 1), (1, 5)], [(0, 3), (3, 5)])
+    assert whole_sample_subs([0, 0], 2) == ([], [])
+    assert whole_sample_subs([2, 1, 1], 12) == ([(0, 4)], [(0, 3)])
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_per_sample_values_in_the_trace_are_sliced_with_their_sub_microbatch(pp):
+    """Issue 35 §1: a per-sample count that the trace holds as a constant (``for n in n_images``) and that decides
+    how each image is encoded must describe each sub-microbatch's own images.  Microbatches with [1, 2, 1] images
+    cut into sub-microbatches of 1, 2 and 3 images, a text-only microbatch first and last, equal the unsplit
+    model's loss and every gradient (before, images 2 and 3 were encoded with images 0 and 1's tile counts)."""
+    torch.manual_seed(0)
+    model = TiledVLM()
+    inst = dipc.Instances("vision", ("pixel",), token_id=TOK, tokens_per_instance=_tiled_tokens,
+                          drop_when_empty=True)
+    c = dipc.compile(model, tiled_batch([1, 2, 0, 1], 8, 0), pp, instances=[inst])
+    assert c.batch_spec.sample_constants == {"n_images"}
+    text_first = tiled_batch([0, 0, 0, 1, 2, 1], 9, 1)
+    images_first = tiled_batch([1, 2, 1, 0, 0, 0], 9, 2)
+    for size, subs in ((1, [(0, 1), (1, 3), (3, 4)]), (2, [(0, 1), (1, 3), (3, 4)]), (3, [(0, 3), (3, 4)])):
+        c.batch_spec.instances = [dataclasses.replace(inst, sub_microbatch_size=size)]
+        mbs = c.batch_spec.split(text_first, 2)
+        assert mbs[0].subs["vision"] == [] and mbs[1].subs["vision"] == subs
+        view = mbs[1].sub_view(c.batch_spec.instances[0], len(subs) - 1)  # the last sample's image, alone
+        assert view["n_images"].tolist() == [1] and view["input_ids"].shape[0] == 1 and view["pixel"].shape[0] == 1
+        for b in (text_first, images_first):
+            local_check(model, c, b, 2)
