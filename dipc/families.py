@@ -24,7 +24,10 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
       the vision tower's patch grid (``+1`` with the "full" feature strategy);
     * Idefics3 / SmolVLM: per-sample padded ``pixel_values [B, max_images, 3, H, W]`` (+ ``pixel_attention_mask``),
       ``(image_size / patch)^2 / scale_factor^2`` tokens per image (it drops padding images itself, so a
-      microbatch without images passes none);
+      microbatch without images passes none); Idefics2 alike, with ``perceiver_config.resampler_n_latents``
+      tokens per image (its perceiver resamples every image to them);
+    * InternVL: ``pixel_values [tiles, 3, H, W]``, each tile ``(image_size / patch)^2 * downsample_ratio^2``
+      tokens (sizes given as ints or ``[h, w]`` pairs);
     * Mllama: per-sample padded ``pixel_values``, ``aspect_ratio_ids``, ``aspect_ratio_mask``,
       ``cross_attention_mask``, one ``<|image|>`` token per image (the text cross-attends to the images, padding
       slots included, so a microbatch without images keeps its keys);
@@ -35,7 +38,8 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
 
     Raises:
         BatchError: LLaVA-NeXT-style models, whose tokens per image depend on each image's size: the error asks
-            for ``instances=[dipc.Instances(..., tokens_per_instance=fn)]``.
+            for ``instances=[dipc.Instances(..., tokens_per_instance=fn)]``; a non-square patch grid (names the
+            config fields and the declaration to write).
     """
     cfg = getattr(model, "config", None)
     if cfg is None or "pixel_values" not in batch:
@@ -54,8 +58,12 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
                                             "cross_attention_mask"),
                           int(token_id), 1, per_sample=True, sub_microbatch_size=b)]
     if kind in ("idefics3", "smolvlm", "idefics2") and vc is not None:
-        scale = int(getattr(cfg, "scale_factor", 1) or 1)
-        tpi = (vc.image_size // vc.patch_size) ** 2 // (scale * scale)
+        perceiver = getattr(cfg, "perceiver_config", None)
+        if kind == "idefics2" and getattr(perceiver, "resampler_n_latents", None):  # the perceiver resamples
+            tpi = int(perceiver.resampler_n_latents)  # every image to its latents
+        else:  # pixel shuffle by scale_factor
+            scale = int(getattr(cfg, "scale_factor", 1) or 1)
+            tpi = _grid(vc, "image_size", "patch_size") ** 2 // (scale * scale)
         return [Instances("vision", present("pixel_values", "pixel_attention_mask"), int(token_id), tpi,
                           per_sample=True, drop_when_empty=True, sub_microbatch_size=b)]
     if kind in ("qwen2_vl", "qwen2_5_vl") and vc is not None:
@@ -71,8 +79,11 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     tpi = getattr(cfg, "mm_tokens_per_image", None) or getattr(cfg, "tokens_per_image", None)
     if tpi is None and getattr(cfg, "text_config", None) is not None:
         tpi = getattr(cfg.text_config, "num_image_tokens", None)
+    if tpi is None and kind == "internvl" and vc is not None:  # each tile: (size / patch)^2 features, pixel-shuffled
+        ratio = float(getattr(cfg, "downsample_ratio", 1.0) or 1.0)  # by downsample_ratio (the processor's
+        tpi = int(round(_grid(vc, "image_size", "patch_size") ** 2 * ratio * ratio))  # image_seq_length)
     if tpi is None and vc is not None and hasattr(vc, "image_size") and hasattr(vc, "patch_size"):
-        tpi = (vc.image_size // vc.patch_size) ** 2
+        tpi = _grid(vc, "image_size", "patch_size") ** 2
         if getattr(cfg, "vision_feature_select_strategy", "default") == "full":
             tpi += 1
     if tpi is None:
@@ -80,6 +91,19 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
     hf = hasattr(cfg, "to_dict") and bool(kind)  # Hugging Face models take pixel_values=None without images
     return [Instances(modality="vision", keys=("pixel_values",), token_id=int(token_id),
                       tokens_per_instance=int(tpi), sub_microbatch_size=b, drop_when_empty=hf)]
+
+
+def _grid(vc, size: str, patch: str) -> int:
+    """Patches per side of a vision config: ``image_size // patch_size``, either given as an int or as a
+    ``[height, width]`` pair (InternVL); a non-square pair is refused naming the fields."""
+    a, b = getattr(vc, size), getattr(vc, patch)
+    pair = lambda v: tuple(v) if isinstance(v, (list, tuple)) else (v, v)  # noqa: E731
+    (h, w), (ph, pw) = pair(a), pair(b)
+    if h // ph != w // pw:
+        raise BatchError(f"vision_config.{size}={a!r} with {patch}={b!r} gives a {h // ph}x{w // pw} patch grid: dipc "
+                         "reads tokens per image from square grids only; declare them: instances=[dipc.Instances("
+                         "'vision', ('pixel_values',), token_id=<image token id>, tokens_per_instance=<tokens>)]")
+    return int(h // ph)
 
 
 def _loss_from_form(loss: LossReduction | str | None, form) -> LossReduction:

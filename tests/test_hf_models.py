@@ -234,3 +234,57 @@ def test_qwen2_vl_is_refused_naming_the_construct():
     _record({"qwen2_vl": {"status": "refused at compile", "compile_s": round(_t.perf_counter() - t, 1),
                           "why": "vision attention splits by image_grid_thw.tolist() (torch.split with data-dependent "
                                  "sizes); M-RoPE groups mm_token_type_ids.tolist() in Python"}})
+
+
+def test_tokens_per_image_are_read_from_each_familys_config():
+    """Issue 35 §4: Idefics2's perceiver resamples every image to ``resampler_n_latents`` tokens (8 here, where the
+    patch grid would say 16), and the pipeline of such a model equals the unsplit one; InternVL's ``[h, w]``-valued
+    ``image_size`` / ``patch_size`` give ``(size / patch)^2 * downsample_ratio^2`` tokens per tile (an internal
+    TypeError before); a non-square grid is refused naming the config fields."""
+    import types
+
+    import torch
+    from transformers import Idefics2Config, Idefics2ForConditionalGeneration, InternVLConfig, MistralConfig
+
+    import dipc
+    from dipc.families import _auto_instances
+    from dipc.testing import local_check
+
+    text = MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = Idefics2Config(vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=2),
+                         perceiver_config=dict(resampler_n_latents=8, resampler_depth=1, resampler_n_heads=2,
+                                               resampler_head_dim=8, num_key_value_heads=1, hidden_size=32),
+                         text_config=text.to_dict(), image_token_id=127, use_cache=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Idefics2ForConditionalGeneration(cfg).float().train()
+
+    def batch(counts, seq, seed):  # per-sample padded images, 8 placeholder tokens each
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, 100, (len(counts), seq), generator=g)
+        pv = torch.randn(len(counts), max(counts), 3, 16, 16, generator=g)
+        mask = torch.zeros(len(counts), max(counts), 16, 16, dtype=torch.bool)
+        for b, k in enumerate(counts):
+            ids[b, 1:1 + 8 * k] = 127
+            mask[b, :k] = True
+            pv[b, k:] = 0
+        return {"input_ids": ids, "labels": ids.masked_fill(ids == 127, -100), "pixel_values": pv,
+                "pixel_attention_mask": mask}
+
+    ex = batch([1, 2, 0, 1], 30, 0)
+    assert _auto_instances(model, ex, None)[0].tokens_per_instance == 8
+    local_check(model, dipc.compile(model, ex, 2), batch([0, 0, 1, 2], 32, 1), 2)
+
+    def internvl(size, patch):
+        c = InternVLConfig(vision_config=dict(image_size=size, patch_size=patch, hidden_size=32,
+                                              intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+                           image_token_id=127, downsample_ratio=0.5)
+        return _auto_instances(types.SimpleNamespace(config=c), {"pixel_values": torch.zeros(1, 3, 16, 16)}, None)
+
+    assert internvl([16, 16], [4, 4])[0].tokens_per_instance == 4
+    assert internvl([448, 448], [14, 14])[0].tokens_per_instance == 256
+    with pytest.raises(dipc.BatchError, match=r"vision_config.image_size=\[16, 32\] with patch_size=\[4, 4\] gives "
+                                              r"a 4x8 patch grid"):
+        internvl([16, 32], [4, 4])
