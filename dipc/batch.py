@@ -224,11 +224,18 @@ class BatchSpec:
             given = [k for k in inst.keys if k in batch]
             if given and len(given) < len(inst.keys):
                 missing += [k for k in inst.keys if k not in batch and k not in missing]
-        if missing:
-            raise BatchError(f"batch is missing key(s) {missing} of the example batch (expected {expected})")
         extra = [k for k in batch if k not in expected]
-        if extra:
-            raise BatchError(f"batch has key(s) {extra} that the example batch did not have ({expected})")
+        if missing or extra:
+            import difflib
+
+            why = []
+            if missing:
+                why.append(f"is missing key(s) {missing} of the example batch")
+            for k in extra:
+                near = difflib.get_close_matches(str(k), missing or expected, n=1)
+                why.append(f"has key {k!r} that the example batch did not have" +
+                           (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise BatchError(f"batch {'; '.join(why)} (expected {expected})")
         for k, (ndim, dtype) in self.keys.items():
             if k not in batch:
                 continue

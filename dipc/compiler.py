@@ -985,7 +985,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             loss: LossReduction | str | None = None,
             dynamic: Mapping[str, Mapping[int, Any]] | None = None,
             loss_key: str = "loss", device=None, check: bool | None = None,
-            split_points: Mapping[str, Sequence[str]] | None = None,
+            split_points: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
             tp_size: int = 1, balance: str = "time", one_segment: bool = False) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
@@ -1013,9 +1013,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             ``python -m dipc.calibrate``, ...): stage latencies and activation memory then come from the symbolic
             cost model (:mod:`dipc.passes.symcost`) on that device, evaluated per (chunk, shape); without it the
             planner uses the first, nominal estimate.
-        split_points: modality -> module paths to cut before, as torch.distributed.pipelining users give them
-            (``{"vision": ["vision_tower.layers.12"], "text": ["language_model.layers.8"]}``); that modality then
-            has ``len(points) + 1`` chunks (a multiple of ``pp_size``) instead of the balanced search's.
+        split_points: module paths to cut before, as torch.distributed.pipelining users give them: one list
+            (``["vision_tower.layers.12", "language_model.layers.8"]``, each path given to its module's modality)
+            or per modality (``{"vision": [...], "text": [...]}``); a modality with points has ``len(points) + 1``
+            chunks (a multiple of ``pp_size``) instead of the balanced search's.
         shared_keys: batch keys given whole to every microbatch: tensors without a batch dimension (Flux's
             ``img_ids [S, 3]``, a RoPE table passed in).  0-dim tensors and Python values (ints, flags, dicts) are
             shared without being named; a Python list or tuple with one entry per sample is split with the samples.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable, Sequence
@@ -116,6 +117,23 @@ def pin_rank(rank: int, cpus: Sequence[int] | None = None) -> int:
     return cpu
 
 
+_listening: list[socket.socket] = []  # rank 0's store socket: it must outlive the store that serves on it
+
+
+def _loopback_store(rank: int, world: int, port: int, timeout: float):
+    """The rendezvous store of a :func:`spawn` group, served by rank 0 on the loopback address only (torch's
+    ``TCPStore`` listens on every interface when it opens its own socket)."""
+    wait = datetime.timedelta(seconds=timeout)
+    if rank != 0:
+        return dist.TCPStore("127.0.0.1", port, world, False, wait)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(max(world, 16))
+    _listening.append(sock)
+    return dist.TCPStore("127.0.0.1", port, world, True, wait, master_listen_fd=sock.fileno())
+
+
 def _worker(rank: int, world: int, port: int, backend: str, timeout: float, threads: int, fn, args, queue,
             env=None, cpus=None):
     try:
@@ -125,10 +143,11 @@ def _worker(rank: int, world: int, port: int, backend: str, timeout: float, thre
         if cpus is not None:
             pin_rank(rank, cpus)
         torch.set_num_threads(threads)
+        args = pickle.loads(args)  # pickled by value in the parent (see spawn)
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                            "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=_loopback_store(rank, world, port, timeout), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, *args)
         buf = io.BytesIO()  # plain bytes: tensors sent through a queue would live in this process's shared memory
         torch.save(result, buf)
@@ -150,7 +169,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     Args:
         fn: a picklable (module-level) function.
         nprocs: number of ranks.
-        args: extra picklable arguments.
+        args: extra picklable arguments (copied to every rank by value, tensors included: any number of them).
         timeout: seconds for the whole group; also the process group's collective timeout.
         backend: "gloo" (CPU) or "nccl".
         threads_per_rank: torch intra-op threads per process.
@@ -164,7 +183,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
 
     Raises:
         SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
-        ValueError: ``pin_cpus`` is not a bool.
+        ValueError: ``pin_cpus`` is not a bool, or ``args`` cannot be pickled.
         OSError: ``pin_cpus`` on a platform without ``os.sched_setaffinity`` (not Linux).
     """
     if not isinstance(pin_cpus, bool):
@@ -175,11 +194,18 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     # every rank must trace the model alike: a forward that iterates a set of strings (Hugging Face Gemma3's
     # set(config.layer_types)) follows the hash seed, so all ranks get the same one
     os.environ.setdefault("PYTHONHASHSEED", "0")
+    # the arguments travel as one bytes object pickled by value: multiprocessing would hand each tensor over as a
+    # shared-memory file descriptor through the fork server, which refuses a few hundred ("too many fds")
+    try:
+        packed = pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:
+        raise ValueError(f"spawn's args must be picklable (module-level functions, tensors, plain values): "
+                         f"{type(e).__name__}: {e}") from e
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout, threads_per_rank, fn, tuple(args),
+    procs = [ctx.Process(target=_worker, args=(r, nprocs, port, backend, timeout, threads_per_rank, fn, packed,
                                                queue, env, cpus), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WireTimeout", "broadcast_json", "all_gather_json", "encode_json", "decode_json"]
+__all__ = ["WireTimeout", "broadcast_json", "all_gather_json", "encode_json", "decode_json", "sum_over_ranks"]
 
 
 class WireTimeout(RuntimeError):
@@ -93,3 +93,41 @@ def all_gather_json(obj: Any, group=None, device: torch.device | None = None, ti
     if top:
         _wait(dist.all_gather(parts, buf, group=group, async_op=True), timeout, f"every rank's {what}")
     return [decode_json(bytes(p[:n].cpu().numpy().tobytes())) for p, n in zip(parts, lens)]
+
+
+#: the point-to-point tag of :func:`sum_over_ranks` (the executor's activation messages use their own tags)
+SUM_TAG = 0x7E5
+
+
+def sum_over_ranks(tensor: torch.Tensor, ranks, group=None, timeout: float = 300.0, what: str = "a sum") -> None:
+    """Sum ``tensor`` in place over ``ranks`` (sorted ranks of ``group``, this rank among them) by point-to-point
+    messages: every other rank sends its tensor to the lowest rank, which adds them in rank order and sends the sum
+    back, so every rank ends with the same bits.
+
+    It needs no process group of its own.  ``torch.distributed.new_group(..., use_local_synchronization=True)``
+    names a group by how many groups each member already joined, so two such groups over different rank sets
+    (weights tied across ranks (0, 3) and (0, 1, 2)) get different names on different ranks and never form.  Call
+    it for several rank sets in the same order on every rank (e.g. the model's parameter order): no cycle of waits
+    can form.
+
+    Raises:
+        WireTimeout: a message did not arrive within ``timeout`` seconds (names ``what`` and the peer).
+    """
+    ranks = list(ranks)
+    me = dist.get_rank(group)
+    lead = ranks[0]
+    if me == lead:
+        bufs = [torch.empty_like(tensor) for _ in ranks[1:]]
+        works = [dist.irecv(b, src=_global(group, r), group=group, tag=SUM_TAG) for b, r in zip(bufs, ranks[1:])]
+        for w, r in zip(works, ranks[1:]):
+            _wait(w, timeout, f"{what} from rank {r}")
+        for b in bufs:
+            tensor.add_(b)
+        sends = [dist.isend(tensor, dst=_global(group, r), group=group, tag=SUM_TAG) for r in ranks[1:]]
+        for w, r in zip(sends, ranks[1:]):
+            _wait(w, timeout, f"{what} to rank {r}")
+    else:
+        _wait(dist.isend(tensor, dst=_global(group, lead), group=group, tag=SUM_TAG), timeout,
+              f"{what} to rank {lead}")
+        _wait(dist.irecv(tensor, src=_global(group, lead), group=group, tag=SUM_TAG), timeout,
+              f"{what} from rank {lead}")

@@ -309,6 +309,38 @@ def _refine_for_split_points(mod: _Module, points: Sequence[str]) -> list[int]:
     return out
 
 
+def _split_points_by_modality(split_points, mods: Mapping[str, _Module]) -> dict[str, list[str]]:
+    """``split_points`` as modality -> module paths.  Taken per modality (``{"text": ["layers.8"]}``) or as one list
+    of module paths, as torch.distributed.pipelining users write them (``["layers.4", "layers.8"]``): each path
+    then goes to the modality whose module it is.
+
+    Raises:
+        PartitionError: another form, a path that is not a string, or a listed path no modality calls.
+    """
+    forms = ("a list of module paths to cut before (['layers.4', 'layers.8']) or a dict of such lists per modality "
+             "({'text': ['language_model.layers.8']})")
+    if split_points is None:
+        return {}
+    if isinstance(split_points, Mapping):
+        for m, p in split_points.items():
+            if isinstance(p, str) or not isinstance(p, (list, tuple)) or not all(isinstance(x, str) for x in p):
+                raise PartitionError(f"split_points[{m!r}] must be a list of module paths, got {p!r}; split_points "
+                                     f"takes {forms}")
+        return {m: list(p) for m, p in split_points.items()}
+    if isinstance(split_points, str) or not isinstance(split_points, (list, tuple)) or \
+            not all(isinstance(x, str) for x in split_points):
+        raise PartitionError(f"split_points={split_points!r}: split_points takes {forms}")
+    out: dict[str, list[str]] = {}
+    for p in split_points:
+        owner = next((m for m, mod in mods.items() if any(c.path == p or c.module == p for c in walk(mod.top))),
+                     None)
+        if owner is None:
+            raise PartitionError(f"split point {p!r} is not a module the model calls (modalities "
+                                 f"{list(mods)}); split_points takes {forms}")
+        out.setdefault(owner, []).append(p)
+    return out
+
+
 def partition(graph: torch.fx.Graph, pp_size: int, *,
               chunks_per_rank: Mapping[str, int] | None = None,
               module_latency: Mapping[str, float] | None = None,
@@ -327,8 +359,9 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
         node_seconds: node name -> seconds (e.g. forward + backward on a device profile, at the sizes the modules
             will run at); when given, blocks are balanced by the sum of their nodes' seconds (nodes not listed count
             0) instead of the first estimate's ``node_latency(dipc_cost)``.
-        split_points: modality -> module paths to cut before (``{"text": ["language_model.layers.8"]}``); that
-            modality then has ``len(points) + 1`` chunks, a multiple of ``pp_size``.
+        split_points: modality -> module paths to cut before (``{"text": ["language_model.layers.8"]}``), or one
+            list of module paths (torch.distributed.pipelining's form), each given to its module's modality; a
+            modality with points has ``len(points) + 1`` chunks, a multiple of ``pp_size``.
         node_bytes, max_chunk_bytes: node name -> bytes it holds for good (parameters, gradients, optimizer
             states); with both, every balanced chunk holds at most ``max_chunk_bytes`` (a balance under memory, as
             nnScaler's planner keeps each stage within the device).
@@ -355,10 +388,8 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
     else:
         cost_of = lambda n: node_latency(n.meta.get("dipc_cost", ZERO))  # noqa: E731
     given = dict(chunks_per_rank or {})
-    for m, p in (split_points or {}).items():
-        if isinstance(p, str) or not all(isinstance(x, str) for x in p):
-            raise PartitionError(f"split_points[{m!r}] must be a list of module paths, got {p!r}")
-    points = {m: list(p) for m, p in (split_points or {}).items()}
+    mods = {m: _Module(m, [n for n in nodes if n.meta["dipc_modality"] == m], cost_of) for m in modalities}
+    points = _split_points_by_modality(split_points, mods)
     for m in list(given) + list(points):
         if m not in modalities:
             what = "chunks_per_rank" if m in given else "split_points"
@@ -366,7 +397,6 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
     for m, k in given.items():
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise PartitionError(f"chunks_per_rank[{m!r}] must be an int >= 1, got {k!r}")
-    mods = {m: _Module(m, [n for n in nodes if n.meta["dipc_modality"] == m], cost_of) for m in modalities}
     module_cost = {m: sum((n.meta.get("dipc_cost", ZERO) for n in mods[m].nodes), ZERO) for m in modalities}
 
     # (1) natural blocks: no call above 1/(2P) of its module, so each rank's share spans two blocks or more

@@ -106,3 +106,55 @@ class OutputsVLM(ReferenceVLM):
 def outputs_vlm():
     cfg = vlm(True).config
     return OutputsVLM(cfg)
+
+
+class _Repeat(torch.nn.Module):
+    """One repeat of :class:`AlbertLike`: the shared block, then this repeat's own LayerNorm."""
+
+    def __init__(self, block, dim):
+        super().__init__()
+        self.block = block
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, h):
+        return self.norm(h + self.block(h))
+
+
+class AlbertLike(torch.nn.Module):
+    """ALBERT-style weight sharing: one ``Sequential(Linear, GELU)`` block applied by every repeat (each with its own
+    LayerNorm), the token embedding tied to the output head, ``attention_mask`` as a keyword input.  Cut before
+    each repeat on 4 ranks, two weights are tied over different rank sets: the embedding over ranks (0, 3), the
+    shared block over (0, 1, 2, 3)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, repeats: int = 4):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        block = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU())
+        self.repeats = torch.nn.ModuleList([_Repeat(block, dim) for _ in range(repeats)])
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids, labels, attention_mask=None):
+        h = self.embed(input_ids)
+        for r in self.repeats:
+            h = r(h)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1).to(h.dtype)
+        logits = self.head(h)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def albert_like():
+    return AlbertLike()
+
+
+def albert_like_batches():
+    """Example, then 3 steps of 4 samples with different lengths; the mask zeroes a tail of some rows."""
+    out = []
+    for seed, seq in enumerate((8, 10, 7, 12)):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 64, (4, seq), generator=g)
+        mask = torch.ones(4, seq, dtype=torch.long)
+        mask[seed % 4, seq // 2:] = 0
+        out.append({"input_ids": ids, "labels": torch.randint(0, 64, (4, seq), generator=g), "attention_mask": mask})
+    return out

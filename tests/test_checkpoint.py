@@ -154,7 +154,49 @@ def _pp2(rank, world, path):
     with pytest.raises(KeyError, match="full state dict holds every rank"):
         pipe.load_full_state_dict(pipe.state_dict())
     pipe.load_full_state_dict(ref.state_dict())
+    _failed_loads_change_nothing(rank, pipe, opt, path, batches)
     return {}
+
+
+def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
+    """Issue 39 §2: a checkpoint one rank cannot read (its shard deleted, or the other rank's truncated) raises on
+    every rank and leaves every rank's parameters, optimizer state and ``extra`` as they were (DCP used to write
+    the readable rank's optimizer state and counter in place before the failure surfaced)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    opt.zero_grad()
+    pipe.step(batches[1])
+    opt.step()
+    for name, shard, damage in (("gone", "__1_0.distcp", "delete"), ("cut", "__0_0.distcp", "truncate")):
+        pipe.save_checkpoint(f"{path}/{name}", opt, extra={"step": torch.tensor(5)})
+        opt.zero_grad()
+        pipe.step(batches[2])  # the live state moves on from the checkpoint's
+        opt.step()
+        dist.barrier()
+        if rank == 0:
+            f = os.path.join(path, name, shard)
+            if damage == "delete":
+                os.remove(f)
+            else:
+                os.truncate(f, os.path.getsize(f) // 2)
+        dist.barrier()
+        params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+        state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
+        step = torch.tensor(3)
+        with pytest.raises(BaseException) as err:
+            pipe.load_checkpoint(f"{path}/{name}", opt, extra={"step": step})
+        assert not isinstance(err.value, (KeyboardInterrupt, SystemExit)), err.value
+        assert int(step) == 3, f"rank {rank}: {name}: extra was loaded"
+        for n, p in pipe.named_parameters():
+            assert torch.equal(p, params[n]), f"rank {rank}: {name}: parameter {n} changed"
+        assert set(state) == {id(p) for p in opt.state}, f"rank {rank}: {name}: optimizer entries changed"
+        for p, st in opt.state.items():
+            for k, v in st.items():
+                assert torch.equal(torch.as_tensor(v), torch.as_tensor(state[id(p)][k])), \
+                    f"rank {rank}: {name}: optimizer state {k} changed"
 
 
 def _init(module):

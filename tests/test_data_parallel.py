@@ -71,8 +71,9 @@ def _mesh(rank, world):
         bad["pixel_values"] = bad["pixel_values"][:1]
     with pytest.raises(Exception) as err:
         pipe.step(bad)
-    if dp == 0:
-        assert isinstance(err.value, StepFailed) and "data-parallel replica" in str(err.value), err.value
+    if dp == 0:  # issue 39 §3: the replica that did not fail says which one did, and why
+        assert isinstance(err.value, StepFailed) and "data-parallel replica(s) [1] failed this step; replica 1: " \
+            "BatchError: " in str(err.value), err.value
     for n, p in pipe.named_parameters():
         if n in before:
             assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
@@ -99,8 +100,11 @@ def _mesh(rank, world):
     if dp == 1 and mesh.get_local_rank("pp") == 1:
         Executor._backward = failing
     try:
-        with pytest.raises(StepFailed):
+        with pytest.raises(StepFailed) as err:
             pipe.step(steps[1][dp])
+        if dp == 0:
+            assert "replica 1: StepFailed: step" in str(err.value) and "injected backward failure" in \
+                str(err.value), err.value
     finally:
         Executor._backward = real
     for n, p in pipe.named_parameters():

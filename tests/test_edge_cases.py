@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import dipc
+from dipc.batch import BatchError
 from dipc.passes.partition import PartitionError
 from dipc.testing import local_check
 
@@ -187,8 +188,10 @@ def test_runtime_and_compile_arguments_out_of_range_are_refused_before_any_commu
     for kw, pat in [({"n_microbatches": 0}, r"n_microbatches must be an int >= 1, got 0"),
                     ({"n_microbatches": True}, r"n_microbatches must be an int >= 1, got True"),
                     ({"n_microbatches": 2.0}, r"n_microbatches must be an int >= 1, got 2.0"),
-                    ({"timeout": 0}, r"timeout must be a finite number of seconds > 0, got 0"),
-                    ({"timeout": -5.0}, r"timeout must be a finite number of seconds > 0, got -5.0"),
+                    ({"timeout": 0}, r"timeout must be a finite number of seconds >= 1, got 0"),
+                    ({"timeout": -5.0}, r"timeout must be a finite number of seconds >= 1, got -5.0"),
+                    # issue 39 §3: a wait of a millisecond times out on a healthy pipeline and breaks the group
+                    ({"timeout": 1e-3}, r"timeout must be a finite number of seconds >= 1, got 0.001"),
                     ({"plan_wait_s": -1}, r"plan_wait_s must be a finite number of seconds >= 0, got -1"),
                     ({"simulate_steps": "no"}, r"simulate_steps must be a bool, got 'no'"),
                     ({"fallback_schedule": "zigzag"}, r"zigzag")]:
@@ -224,3 +227,25 @@ def test_a_model_that_updates_buffers_in_training_is_refused_at_compile():
     model = BatchNormed().eval()  # eval-mode norms read their statistics only: accepted and exact
     c = dipc.compile(model, {"input_ids": ids, "labels": ids}, 2)
     local_check(model, c, {"input_ids": _tokens(4, 7, 1), "labels": _tokens(4, 7, 1)}, 2)
+
+
+def test_split_points_as_one_list_and_misspelled_keys_are_named():
+    """Issue 39 §3: ``split_points`` as one list of module paths (torch.distributed.pipelining's form) cuts like the
+    per-modality dict; other forms are refused naming the forms taken; a batch with a misspelled key names it and
+    the key it probably meant."""
+    torch.manual_seed(0)
+    ids = _tokens(4, 6, 0)
+    batch = {"input_ids": ids, "labels": torch.tensor([1, 2, 3, 4])}
+    model = Classifier()
+    c = dipc.compile(model, batch, 2, split_points=["layers.2"])
+    by_dict = dipc.compile(model, batch, 2, split_points={c.partition.modalities[0]: ["layers.2"]})
+    assert [ch.blocks for ch in c.partition.chunks] == [ch.blocks for ch in by_dict.partition.chunks]
+    local_check(model, c, {"input_ids": _tokens(4, 5, 1), "labels": torch.tensor([0, 3, 2, 1])}, 2)
+    for bad, pat in (("layers.2", r"split_points='layers.2': split_points takes a list of module paths"),
+                     ([2], r"split_points=\[2\]: split_points takes a list of module paths"),
+                     (["layers.9"], r"split point 'layers.9' is not a module the model calls")):
+        with pytest.raises(PartitionError, match=pat):
+            dipc.compile(model, batch, 2, split_points=bad)
+    with pytest.raises(BatchError, match=r"batch is missing key\(s\) \['labels'\] of the example batch; has key "
+                                         r"'lables' that the example batch did not have \(did you mean 'labels'\?\)"):
+        c.batch_spec.split({"input_ids": ids, "lables": batch["labels"]}, 2)

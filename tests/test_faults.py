@@ -206,6 +206,10 @@ def _disagreeing(rank, world):
     ids[0, -1] = (ids[0, -1] + 1) % 100 + 3
     other["input_ids"] = ids
     expect("values", batch=other if rank == 1 else good)
+    # different pixel values only (issue 39 §4: the step check covered integer tensors alone)
+    pixels = dict(good, pixel_values=good["pixel_values"].clone())
+    pixels["pixel_values"][0, 0, 0, 0] += 1.0
+    expect("floats", batch=pixels if rank == 1 else good)
     # different shapes (sequence length)
     expect("shapes", batch=pc.vlm_batch([2, 1, 0, 0], 22, 1) if rank == 1 else good)
     # different microbatch counts
@@ -263,8 +267,9 @@ def _disagreeing(rank, world):
 @pytest.mark.timeout(300)
 def test_ranks_that_disagree_all_raise_before_any_activation_moves_2_ranks():
     out = spawn(_disagreeing, 2, (), timeout=240)
-    for label in ("values", "shapes", "microbatches"):
+    for label in ("values", "floats", "shapes", "microbatches"):
         assert "the ranks disagree on the step" in out[0][label] and "the ranks disagree" in out[1][label], label
+    assert "holds other floating-point values than rank 0's" in out[1]["floats"], out[1]["floats"]
     assert all("rank 1 could not build the step: RuntimeError: cannot build this step, on purpose" in o["local"]
                for o in out), [o["local"] for o in out]
     assert all("different steps (from step 6 to step 7" in o["skipped"] for o in out), [o["skipped"] for o in out]

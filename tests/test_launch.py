@@ -39,3 +39,38 @@ def test_ranks_take_the_callers_environment_at_each_call_and_hash_strings_alike(
 def test_a_failing_rank_is_reported_with_its_traceback():
     with pytest.raises(SpawnError, match=r"rank 1 failed:\nValueError: rank 1 fails on purpose(.|\n)*_fails_on"):
         spawn(_fails_on, 2, (1,), timeout=120)
+
+
+def _sum_all(rank, world, tensors):
+    import torch
+
+    return torch.stack([t.sum() for t in tensors]).sum() + rank
+
+
+def test_hundreds_of_tensor_arguments_reach_every_rank():
+    """Issue 39 §3: 400 tensors in ``args`` used to fail in the fork server with "too many fds" (each tensor
+    travelled as a shared-memory descriptor); they now reach every rank by value."""
+    import torch
+
+    tensors = [torch.full((3,), float(i)) for i in range(400)]
+    want = float(sum(3 * i for i in range(400)))
+    assert [float(x) for x in spawn(_sum_all, 2, (tensors,), timeout=120)] == [want, want + 1]
+    with pytest.raises(ValueError, match=r"spawn's args must be picklable"):
+        spawn(_sum_all, 2, (lambda: 0,), timeout=120)
+
+
+def _store_listens_on(rank, world):
+    import subprocess
+
+    import torch.distributed as dist
+
+    port = int(os.environ["MASTER_PORT"])
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True).stdout
+    dist.barrier()
+    return out.split()[3] if rank == 0 and out.strip() else ""
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/ss") and not os.path.exists("/bin/ss"), reason="needs ss")
+def test_the_rendezvous_store_listens_on_the_loopback_address_only():
+    """Issue 39 §4: spawn's store served on every interface; now on 127.0.0.1 alone."""
+    assert spawn(_store_listens_on, 2, (), timeout=120)[0].startswith("127.0.0.1:")

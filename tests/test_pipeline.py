@@ -23,8 +23,8 @@ def _check(rank, world, kwargs):
     return reference_check(rank, world, **kwargs)
 
 
-def run_case(world, **kwargs):
-    reports = spawn(_check, world, (kwargs,), timeout=TIMEOUT)
+def run_case(world, timeout=TIMEOUT, **kwargs):
+    reports = spawn(_check, world, (kwargs,), timeout=timeout)
     losses = {tuple(r["loss"]) for r in reports}
     assert len(losses) == 1, f"ranks disagree on the loss: {losses}"
     assert all(r["n_params"] > 0 for r in reports), "a rank holds no parameter"
@@ -51,6 +51,17 @@ def test_reference_vlm_4_ranks_two_chunks_per_rank_per_module():
              batches_fn="pipeline_cases:vlm_batches_4ranks", batches_args=(),
              compile_kwargs={"chunks_per_rank": {"vision": 2, "text": 2}, "sub_microbatch_size": {"vision": 1}},
              n_microbatches=4)
+
+
+@pytest.mark.timeout(300)
+def test_weights_tied_over_different_rank_sets_on_4_ranks():
+    """Issue 39 §1: an ALBERT-style model cut before each repeat on 4 ranks ties its embedding over ranks (0, 3) and
+    its shared block over all four; ``compiled.runtime()`` used to hang (the subgroups torch names by each rank's
+    count of groups got different names on different ranks).  Every rank's loss and gradients, tied ones included,
+    equal the unsplit model's."""
+    run_case(4, model_fn="pipeline_cases:albert_like", model_args=(), batches_fn="pipeline_cases:albert_like_batches",
+             batches_args=(), compile_kwargs={"split_points": {"text": ["repeats.1", "repeats.2", "repeats.3"]}},
+             n_microbatches=4, timeout=120)  # about 10 s; the hang lasted past the 2 minutes
 
 
 @pytest.mark.timeout(300)

@@ -16,14 +16,31 @@ import torch.distributed as dist
 from ..batch import BatchError, Microbatch
 from ..check import is_meta
 from ..plan import Plan, PlanError, validate
+from ..wire import sum_over_ranks
 
 from .transport import _DistTransport, TransportError
-from ..planner.workload import StepWorkload, autocast_state, build_workload, check_matches, check_strategies, set_recompute, step_digest, split_for
+from ..planner.workload import StepWorkload, autocast_state, build_workload, check_matches, check_strategies, set_recompute, step_digest, split_for, float_digest
 from ..planner.planning import check_memory_limit, make_plan
 from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
 
 
 log = logging.getLogger("dipc")
+
+#: the shortest ``timeout`` a runtime takes, seconds
+MIN_TIMEOUT = 1.0
+#: data-parallel sizes up to this name their failed replicas (a float64 bit mask in the step headers)
+_DP_MASK_BITS = 50
+
+
+def _copy_into(dst, src) -> None:
+    """Write ``src``'s values into ``dst`` (same nested mappings): tensors in place, other values by key."""
+    for k, v in src.items():
+        if isinstance(v, torch.Tensor) and isinstance(dst[k], torch.Tensor):
+            dst[k].copy_(v)
+        elif isinstance(v, Mapping) and isinstance(dst[k], Mapping):
+            _copy_into(dst[k], v)
+        else:
+            dst[k] = v
 
 
 # ---------------------------------------------------------------------------------------------------- runtime
@@ -49,8 +66,10 @@ class PipelineRuntime:
         if isinstance(plan_wait_s, bool) or not isinstance(plan_wait_s, (int, float)) or \
                 not 0 <= plan_wait_s < math.inf:
             raise ValueError(f"plan_wait_s must be a finite number of seconds >= 0, got {plan_wait_s!r}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout < math.inf:
+            raise ValueError(f"timeout must be a finite number of seconds >= {MIN_TIMEOUT:g}, got {timeout!r} (a "
+                             "distributed wait shorter than that times out on a healthy pipeline, and a timed-out "
+                             "wait leaves the process group unusable)")
         if n_microbatches is not None and (isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int)
                                            or n_microbatches < 1):
             raise ValueError(f"n_microbatches must be an int >= 1, got {n_microbatches!r}")
@@ -201,17 +220,10 @@ class PipelineRuntime:
         self._names_by_id = names_by_id
         self._ranks_by_id = ranks_by_id
         self.local_param_ids = [pid for pid in self._param_obj if self.rank in ranks_by_id[pid]]
-        self._tied: list[tuple[list[int], object]] = []
-        groups = {}
-        for pid in self._param_obj:  # same order on every rank (model order)
-            rs = tuple(sorted(ranks_by_id[pid]))
-            if len(rs) > 1 and rs not in groups:
-                # only the member ranks create it, so pipelines inside a larger world (DP x PP) do not wait on
-                # each other
-                groups[rs] = dist.new_group([dist.get_global_rank(self.group, r) if self.group else r for r in rs],
-                                            use_local_synchronization=True)
-        self._tied = [(pid, groups[tuple(sorted(ranks_by_id[pid]))]) for pid in self.local_param_ids
-                      if len(ranks_by_id[pid]) > 1]
+        # weights tied across ranks, (parameter id, its sorted pipeline ranks) in model order on every rank: their
+        # gradients are summed point to point (dipc.wire.sum_over_ranks), with no subgroup to agree on
+        self._tied: list[tuple[int, tuple[int, ...]]] = [(pid, tuple(sorted(ranks_by_id[pid])))
+                                                         for pid in self.local_param_ids if len(ranks_by_id[pid]) > 1]
         buf_ids = set()
         for c in comp.partition.chunks:
             if c.rank == self.rank and c.index in comp.program.chunks:
@@ -471,38 +483,72 @@ class PipelineRuntime:
         ``{"model": model.state_dict(), "optim": ...}``: this rank reads its own entries (and ``optimizer``'s
         state); ``extra``'s tensors are loaded in place as ``dcp.load`` does.  Round trips are exact.
 
+        All or nothing: DCP reads into copies, the ranks then agree that every one of them read its part, and only
+        then are the parameters, the optimizer and ``extra`` written; a rank that failed leaves every rank's state as
+        it was (an optimizer without state that this call initialised to read into is cleared again).
+
         Raises:
             torch.distributed.checkpoint.api.CheckpointException (a ``BaseException``, from DCP) or
                 FileNotFoundError: an entry this rank needs is not in the checkpoint, its shape differs, or there
-                is no checkpoint at ``checkpoint_id`` (then before the optimizer is touched).
+                is no checkpoint at ``checkpoint_id``.
+            RuntimeError: another rank could not read its part (names the ranks); nothing was loaded here either.
+            dipc.wire.WireTimeout: a rank did not report within the runtime's timeout; nothing was loaded.
         """
         import torch.distributed.checkpoint as dcp
+        from torch.utils._pytree import tree_map
 
-        sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
-        if optimizer is not None:
-            # state tensors to load into only when the checkpoint holds state for this rank's parameters (an
-            # optimizer saved before its first step holds none: this one then starts without state too)
-            keys = set(dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
-            names = {n for n, _ in self.named_parameters()}
-            has_state = any(k.startswith("optim.state.") and any(k.startswith(f"optim.state.{n}.") for n in names)
-                            for k in keys)
-            if not has_state:
-                optimizer.state.clear()
-            sd["optim"] = self._flat_optimizer(optimizer, init=has_state)
-            # parameters the checkpoint holds no state for (no gradient before it was saved) keep none here either
-            missing = {k for k in sd["optim"] if k.startswith("state.") and f"optim.{k}" not in keys}
-            stateless = [p for n, p in self.named_parameters() if any(k.startswith(f"state.{n}.") for k in missing)]
-            full_optim = sd["optim"]  # DCP reads the entries the checkpoint has; the others stay as initialised
-            sd["optim"] = {k: v for k, v in full_optim.items() if k not in missing}
-        if extra:
-            sd.update(extra)
-        dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        had_state = optimizer is not None and bool(optimizer.state)
+        failure: BaseException | None = None
+        try:
+            sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
+            if optimizer is not None:
+                # state tensors to load into only when the checkpoint holds state for this rank's parameters (an
+                # optimizer saved before its first step holds none: this one then starts without state too)
+                keys = set(dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
+                names = {n for n, _ in self.named_parameters()}
+                has_state = any(k.startswith("optim.state.") and any(k.startswith(f"optim.state.{n}.") for n in names)
+                                for k in keys)
+                flat = self._flat_optimizer(optimizer, init=has_state and not had_state)
+                if not has_state:  # loaded as an optimizer without state: its entries are hyperparameters only
+                    flat = {k: v for k, v in flat.items() if not k.startswith("state.")}
+                # read into copies: the optimizer's own tensors change only once every rank has read its part
+                full_optim = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+                # parameters the checkpoint holds no state for (no gradient before it was saved) keep none either
+                missing = {k for k in full_optim if k.startswith("state.") and f"optim.{k}" not in keys}
+                stateless = [p for n, p in self.named_parameters() if any(k.startswith(f"state.{n}.") for k in missing)]
+                sd["optim"] = {k: v for k, v in full_optim.items() if k not in missing}
+            if extra:
+                sd.update(tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, dict(extra)))
+            dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            failure = e
+        failed = self._ranks_failing(failure is not None, f"every rank's load of the checkpoint {checkpoint_id!r}")
+        if failed:
+            if optimizer is not None and not had_state:
+                optimizer.state.clear()  # initialised above to read into
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"rank(s) {failed} could not load the checkpoint {checkpoint_id!r} (their error says "
+                               f"why); nothing was loaded on rank {self.rank} either")
         self.load_state_dict(sd["model"], strict=False)
         if optimizer is not None:
+            if not has_state:
+                optimizer.state.clear()
             full_optim.update(sd["optim"])
             self.load_optimizer_state_dict(optimizer, full_optim)
             for p in stateless:
                 optimizer.state.pop(p, None)
+        if extra:
+            _copy_into(extra, {k: sd[k] for k in extra})
+
+    def _ranks_failing(self, failed: bool, what: str) -> list[int]:
+        """The pipeline ranks for which ``failed`` is true (a collective: every rank says whether it failed)."""
+        from ..wire import _wait
+
+        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
+        flags[self.rank] = int(failed)
+        _wait(dist.all_reduce(flags, group=self.group, async_op=True), self.timeout, what)
+        return [r for r, f in enumerate(flags.tolist()) if f]
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:
         """This rank's entries of the state dict, name -> the model's tensor (no copy)."""
@@ -640,7 +686,7 @@ class PipelineRuntime:
         name = self.schedule if schedule is None else schedule
         amp = autocast_state(self.device)  # the caller's torch.autocast: the chunks run under it
         local_err: str | None = None  # a failure on this rank only: every rank learns of it before raising
-        w, mine = None, "(this rank could not build the step)"
+        w, mine, floats = None, "(this rank could not build the step)", ""
         if early is not None:  # the batch or an argument was refused before this rank could split the batch
             local_err = f"{type(early).__name__}: {early}"
         else:
@@ -648,6 +694,7 @@ class PipelineRuntime:
                 w = (build_workload(self.compiled, microbatches, amp) if forward_only
                      else self._workload(microbatches, amp))
                 mine = step_digest(self.compiled, w, forward_only) + tag
+                floats = float_digest(microbatches)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
         n = len(microbatches) if microbatches is not None else -1
@@ -719,7 +766,7 @@ class PipelineRuntime:
                 plan._validated = text_digest  # validated here, by _make or by the background planner
                 header = {"step": self.step_index, "schedule": name, "n_microbatches": n, "digest": mine,
                           "plan": text, "plan_digest": text_digest, "source": info["source"],
-                          "why": info["why"]}
+                          "why": info["why"], "floats": floats}
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
         src = 0
@@ -754,7 +801,8 @@ class PipelineRuntime:
 
         # one all-reduce tells every rank whether all built the step, agree on its index and on its digest
         bits = int(torch.tensor([loss_scale], dtype=torch.float64).view(torch.int64).item())  # the GradScaler's
-        same = torch.tensor([1 if mine == theirs else 0, self.step_index, -self.step_index,
+        floats_differ = "floats" in header and header["floats"] != floats
+        same = torch.tensor([1 if mine == theirs and not floats_differ else 0, self.step_index, -self.step_index,
                              0 if local_err else 1, bits, -bits], dtype=torch.int64, device=self.device)
         _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
               f"every rank's check of step {self.step_index}'s plan")
@@ -784,15 +832,16 @@ class PipelineRuntime:
                             "with process_group = all ranks), so every rank skips or takes the same steps")
         if int(same[0].item()) == 0:
             who = (f"this rank's digest {mine[:12]} differs from rank 0's {theirs[:12]}" if mine != theirs else
-                   "another rank's digest differs from this one's")
+                   f"this rank's batch holds other floating-point values than rank 0's (digest {floats[:12]}, rank "
+                   f"0's {header['floats'][:12]})" if floats_differ else "another rank's digest differs from this one's")
             if header.get("n_microbatches", n) != n:
                 who += f"; rank 0 split the batch into {header['n_microbatches']} microbatches, this rank into {n}"
             if str(mine).partition("|")[2] != str(theirs).partition("|")[2]:  # the tag: e.g. the evaluation's outputs
                 who += (f"; rank 0 asked for {str(theirs).partition('|')[2] or 'no outputs'}, this rank for "
                         f"{str(mine).partition('|')[2] or 'no outputs'}")
             raise PlanError(
-                f"step {self.step_index}: the ranks disagree on the step ({who}; the digest covers the stage graph "
-                "and the batch's integer tensors). Either they were given different batches (every rank of a "
+                f"step {self.step_index}: the ranks disagree on the step ({who}; the digests cover the stage graph "
+                "and the batch's values). Either they were given different batches (every rank of a "
                 "pipeline must get the same batch), or they traced the model differently: a forward that iterates "
                 "a Python set of strings (Hugging Face Gemma3: set(config.layer_types)) follows the hash seed, so "
                 "start every rank with the same PYTHONHASHSEED (dipc.launch.spawn sets 0; under torchrun: "
@@ -906,16 +955,15 @@ class PipelineRuntime:
                 raise                        # gets what it raised
 
             zero_unreached_grads(self.compiled, w, {self.rank})
-            from ..wire import _wait
 
             if self.dp_size > 1:  # the data-parallel replicas' gradients, as on their concatenated batch
                 loss = self._dp_finish(loss, grads=True)
-            for pid, grp in self._tied:  # a tied weight's ranks sum this step's gradients (linear: after the
+            for pid, rs in self._tied:  # a tied weight's ranks sum this step's gradients (linear: after the
                 p = self._param_obj[pid]  # data-parallel sum as well as before it)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                _wait(dist.all_reduce(p.grad, group=grp, async_op=True), self.timeout,
-                      f"step {self.step_index}'s gradient all-reduce of a tied weight")
+                sum_over_ranks(p.grad, rs, self.group, self.timeout,
+                               f"step {self.step_index}'s gradient of the tied weight {self._names_by_id[pid][0]!r}")
         except BaseException:
             for p, g in stash:
                 p.grad = g
@@ -1262,13 +1310,14 @@ class PipelineRuntime:
             return run()
         except BaseException as e:
             if not getattr(e, "_dipc_dp_told", False):
+                error = f"{type(e).__name__}: {e}"[:4000]  # what the other replicas' StepFailed will say
                 try:
                     if self._dp_phase == 0:
-                        self._dp_start(0.0, training=False, failed=True)
+                        self._dp_start(0.0, training=False, failed=True, error=error)
                     elif self._dp_phase == 1:
                         if self._dp_buckets is not None:
                             self._dp_buckets.launch_rest()
-                        self._dp_end(True, 0.0, None)
+                        self._dp_end(True, 0.0, None, error=error)
                 except Exception:  # noqa: BLE001 - the other replicas then meet their own timeout
                     pass
                 if self._dp_buckets is not None:
@@ -1290,7 +1339,29 @@ class PipelineRuntime:
         e._dipc_dp_told = True
         return e
 
-    def _dp_start(self, count: float, training: bool, failed: bool = False, scale: float = 1.0) -> float:
+    def _dp_failure(self, mask: float, error: str) -> str:
+        """After a header whose first entry (``mask``: the sum of ``2 ** replica`` over the failed replicas) is not
+        0: the lowest failed replica's ``error`` reaches every replica (JSON over the data-parallel group, a
+        collective), and the text every replica's :class:`StepFailed` gives: which replicas failed and why."""
+        from ..wire import broadcast_json
+
+        bits = int(mask)
+        failed = [r for r in range(self.dp_size) if bits >> r & 1] if self.dp_size <= _DP_MASK_BITS else []
+        if not failed:
+            return f"{bits} data-parallel replica(s) failed this step"
+        me = dist.get_rank(self.dp_group)
+        text = broadcast_json(error if me == failed[0] else None, failed[0], self.dp_group, self.device, self.timeout,
+                              f"the error of data-parallel replica {failed[0]}")
+        return f"data-parallel replica(s) {failed} failed this step; replica {failed[0]}: {text}"
+
+    def _dp_flag(self, failed: bool) -> float:
+        """This replica's entry in a header's failure mask (``2 ** replica``; a count past 50 replicas)."""
+        if not failed:
+            return 0.0
+        return float(2 ** dist.get_rank(self.dp_group)) if self.dp_size <= _DP_MASK_BITS else 1.0
+
+    def _dp_start(self, count: float, training: bool, failed: bool = False, scale: float = 1.0,
+                  error: str = "") -> float:
         """The step's first header, one float64 all-reduce (sum) over the data-parallel group before any activation
         moves: [failed replicas, loss normaliser (``count``), replicas that train (not evaluate), step index, its
         square, log2 of the gradient scaler's scale, its square].  Returns the normaliser's sum (the concatenated
@@ -1301,13 +1372,13 @@ class PipelineRuntime:
                 is at another step or has another gradient scale (every rank of every replica raises)."""
         D = self.dp_size
         ls = math.log2(scale) if 0 < scale < math.inf else 0.0
-        h = self._dp_allreduce(torch.tensor([float(failed), count, float(training), float(self.step_index),
+        h = self._dp_allreduce(torch.tensor([self._dp_flag(failed), count, float(training), float(self.step_index),
                                              float(self.step_index) ** 2, ls, ls * ls], dtype=torch.float64),
                                f"the data-parallel replicas' status before step {self.step_index}")
         self._dp_phase = 1
         why = ""
         if h[0] > 0:
-            why = f"{int(h[0])} data-parallel replica(s) failed this step"
+            why = self._dp_failure(float(h[0]), error)
         elif float(h[2]) not in (0.0, float(D)):
             why = (f"{int(h[2])} of the {D} data-parallel replicas trained while the others evaluated (every "
                    "replica must call step() or eval_step() alike)")
@@ -1322,17 +1393,18 @@ class PipelineRuntime:
             raise self._dp_failed(why)
         return float(h[1])
 
-    def _dp_end(self, failed: bool, weighted_loss: float, flags) -> torch.Tensor:
-        """The step's second header, after its plan ran: [failed replicas, sum of count-weighted losses, per local
-        parameter whether it has a gradient]."""
+    def _dp_end(self, failed: bool, weighted_loss: float, flags, error: str = "") -> tuple[torch.Tensor, str]:
+        """The step's second header, after its plan ran: [failed replicas' mask, sum of count-weighted losses, per
+        local parameter whether it has a gradient]; returns it and, when a replica failed, why
+        (:meth:`_dp_failure`, "" otherwise)."""
         n = len(self.local_param_ids)
         h = torch.zeros(2 + n, dtype=torch.float64)
-        h[0], h[1] = float(failed), weighted_loss
+        h[0], h[1] = self._dp_flag(failed), weighted_loss
         if flags is not None:
             h[2:] = flags
         h = self._dp_allreduce(h, f"the data-parallel replicas' status after step {self.step_index}")
         self._dp_phase = 2
-        return h
+        return h, (self._dp_failure(float(h[0]), error) if h[0] > 0 else "")
 
     def _dp_begin_step(self, batch, training: bool, count: float | None = None, scale: float = 1.0) -> None:
         """The data-parallel part of a step's start (:meth:`_dp_start`); a training step also gets its gradient
@@ -1379,11 +1451,11 @@ class PipelineRuntime:
             b.launch_rest()
             flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
         count, total = self._dp_count_now, self._dp_total
-        h = self._dp_end(False, float(loss) * count if count else 0.0, flags)
-        if h[0] > 0:
+        h, why = self._dp_end(False, float(loss) * count if count else 0.0, flags)
+        if why:
             if b is not None:
                 b.drain()
-            raise self._dp_failed(f"{int(h[0])} data-parallel replica(s) failed this step")
+            raise self._dp_failed(why)
         if grads:
             b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
             spec = self.compiled.batch_spec.loss
