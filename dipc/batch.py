@@ -231,10 +231,11 @@ class BatchSpec:
             why = []
             if missing:
                 why.append(f"is missing key(s) {missing} of the example batch")
-            for k in extra:
-                near = difflib.get_close_matches(str(k), missing or expected, n=1)
-                why.append(f"has key {k!r} that the example batch did not have" +
-                           (f" (did you mean {near[0]!r}?)" if near else ""))
+            if extra:
+                near = [(k, difflib.get_close_matches(str(k), missing or expected, n=1)) for k in extra]
+                hints = [f"{m[0]!r} for {k!r}" for k, m in near if m]
+                why.append(f"has key(s) {extra} that the example batch did not have" +
+                           (f" (did you mean {', '.join(hints)}?)" if hints else ""))
             raise BatchError(f"batch {'; '.join(why)} (expected {expected})")
         for k, (ndim, dtype) in self.keys.items():
             if k not in batch:

@@ -144,17 +144,18 @@ class AlbertLike(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def albert_like():
-    return AlbertLike()
+def albert_like(repeats: int = 4):
+    return AlbertLike(repeats=repeats)
 
 
-def albert_like_batches():
-    """Example, then 3 steps of 4 samples with different lengths; the mask zeroes a tail of some rows."""
+def albert_like_batches(samples: int = 4):
+    """Example, then 3 steps of ``samples`` samples with different lengths; the mask zeroes a tail of some rows."""
     out = []
     for seed, seq in enumerate((8, 10, 7, 12)):
         g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(0, 64, (4, seq), generator=g)
-        mask = torch.ones(4, seq, dtype=torch.long)
-        mask[seed % 4, seq // 2:] = 0
-        out.append({"input_ids": ids, "labels": torch.randint(0, 64, (4, seq), generator=g), "attention_mask": mask})
+        ids = torch.randint(0, 64, (samples, seq), generator=g)
+        mask = torch.ones(samples, seq, dtype=torch.long)
+        mask[seed % samples, seq // 2:] = 0
+        out.append({"input_ids": ids, "labels": torch.randint(0, 64, (samples, seq), generator=g),
+                    "attention_mask": mask})
     return out

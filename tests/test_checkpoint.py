@@ -159,9 +159,11 @@ def _pp2(rank, world, path):
 
 
 def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
-    """Issue 39 §2: a checkpoint one rank cannot read (its shard deleted, or the other rank's truncated) raises on
-    every rank and leaves every rank's parameters, optimizer state and ``extra`` as they were (DCP used to write
-    the readable rank's optimizer state and counter in place before the failure surfaced)."""
+    """Issue 39 §2: a checkpoint one rank cannot read (its shard deleted, or the other rank's truncated; without the
+    checksums, so DCP meets it) raises on every rank and leaves every rank's parameters, optimizer state and
+    ``extra`` as they were (DCP used to write the readable rank's optimizer state and counter in place before the
+    failure surfaced); a shard with flipped bytes (it used to load silently) is refused by its checksum, by name,
+    on every rank."""
     import os
 
     import torch
@@ -170,7 +172,8 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
     opt.zero_grad()
     pipe.step(batches[1])
     opt.step()
-    for name, shard, damage in (("gone", "__1_0.distcp", "delete"), ("cut", "__0_0.distcp", "truncate")):
+    for name, shard, damage in (("gone", "__1_0.distcp", "delete"), ("cut", "__0_0.distcp", "truncate"),
+                                ("flipped", "__1_0.distcp", "flip")):
         pipe.save_checkpoint(f"{path}/{name}", opt, extra={"step": torch.tensor(5)})
         opt.zero_grad()
         pipe.step(batches[2])  # the live state moves on from the checkpoint's
@@ -180,8 +183,16 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
             f = os.path.join(path, name, shard)
             if damage == "delete":
                 os.remove(f)
-            else:
+            elif damage == "truncate":
                 os.truncate(f, os.path.getsize(f) // 2)
+            else:
+                with open(f, "r+b") as fh:
+                    fh.seek(os.path.getsize(f) // 2)
+                    byte = fh.read(1)
+                    fh.seek(-1, 1)
+                    fh.write(bytes([byte[0] ^ 0xFF]))
+            if damage != "flip":  # DCP itself meets the damage
+                os.remove(os.path.join(path, name, "dipc_checksums.json"))
         dist.barrier()
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
         state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
@@ -189,6 +200,9 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
         with pytest.raises(BaseException) as err:
             pipe.load_checkpoint(f"{path}/{name}", opt, extra={"step": step})
         assert not isinstance(err.value, (KeyboardInterrupt, SystemExit)), err.value
+        if damage == "flip":
+            assert isinstance(err.value, ValueError) and ("shard(s) ['__1_0.distcp'] do not match" in str(err.value)
+                                                          if rank == 1 else "rank(s) [1] found" in str(err.value))
         assert int(step) == 3, f"rank {rank}: {name}: extra was loaded"
         for n, p in pipe.named_parameters():
             assert torch.equal(p, params[n]), f"rank {rank}: {name}: parameter {n} changed"

@@ -246,6 +246,7 @@ def test_split_points_as_one_list_and_misspelled_keys_are_named():
                      (["layers.9"], r"split point 'layers.9' is not a module the model calls")):
         with pytest.raises(PartitionError, match=pat):
             dipc.compile(model, batch, 2, split_points=bad)
-    with pytest.raises(BatchError, match=r"batch is missing key\(s\) \['labels'\] of the example batch; has key "
-                                         r"'lables' that the example batch did not have \(did you mean 'labels'\?\)"):
+    with pytest.raises(BatchError, match=r"batch is missing key\(s\) \['labels'\] of the example batch; has "
+                                         r"key\(s\) \['lables'\] that the example batch did not have \(did you "
+                                         r"mean 'labels' for 'lables'\?\)"):
         c.batch_spec.split({"input_ids": ids, "lables": batch["labels"]}, 2)

@@ -272,7 +272,7 @@ def test_ranks_that_disagree_all_raise_before_any_activation_moves_2_ranks():
     assert "holds other floating-point values than rank 0's" in out[1]["floats"], out[1]["floats"]
     assert all("rank 1 could not build the step: RuntimeError: cannot build this step, on purpose" in o["local"]
                for o in out), [o["local"] for o in out]
-    assert all("different steps (from step 6 to step 7" in o["skipped"] for o in out), [o["skipped"] for o in out]
+    assert all("different steps (from step 7 to step 8" in o["skipped"] for o in out), [o["skipped"] for o in out]
     assert out[1]["one_bad_batch"].startswith("BatchError") and "10000" in out[1]["one_bad_batch"]
     assert "rank 1 could not build the step: BatchError" in out[0]["one_bad_batch"], out[0]["one_bad_batch"]
     assert out[1]["one_zero_mb"].startswith("ValueError: n_microbatches must be an int >= 1, got 0")

@@ -4,6 +4,7 @@ executor, failure propagation, evaluation, checkpoints, data parallelism - and i
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections import defaultdict
@@ -30,6 +31,21 @@ log = logging.getLogger("dipc")
 MIN_TIMEOUT = 1.0
 #: data-parallel sizes up to this name their failed replicas (a float64 bit mask in the step headers)
 _DP_MASK_BITS = 50
+
+
+#: the file in a checkpoint directory holding its shards' checksums (:meth:`PipelineRuntime.save_checkpoint`)
+CHECKSUMS = "dipc_checksums.json"
+
+
+def _file_digest(path: str) -> str:
+    """BLAKE2b of a file's bytes, read in 8 MiB pieces."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=32)
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(8 << 20), b""):
+            h.update(piece)
+    return h.hexdigest()
 
 
 def _copy_into(dst, src) -> None:
@@ -459,6 +475,7 @@ class PipelineRuntime:
             sd.update(extra)
         if self.dp_size == 1:
             dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+            self._write_checksums(checkpoint_id)
             return
         from ..wire import _wait
 
@@ -467,6 +484,7 @@ class PipelineRuntime:
         try:  # data parallel: the first replica writes it, the others return once it is written
             if dist.get_rank(self.dp_group) == 0:
                 dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+                self._write_checksums(checkpoint_id)
         except BaseException as e:  # noqa: BLE001 - the other replicas must hear of it, not wait
             failed += 1
             err = e
@@ -477,13 +495,50 @@ class PipelineRuntime:
         if float(failed) > 0:
             raise RuntimeError(f"the first data-parallel replica could not write the checkpoint {checkpoint_id!r}")
 
+    def _write_checksums(self, checkpoint_id) -> None:
+        """After a DCP save: each rank hashes the shard files it wrote (``__<rank>_*.distcp``, BLAKE2b) and rank 0
+        writes them all to ``dipc_checksums.json`` in the checkpoint (JSON), which :meth:`load_checkpoint`
+        checks (a collective over the pipeline's ranks)."""
+        import glob
+        import os
+
+        from ..wire import all_gather_json
+
+        mine = {os.path.basename(f): _file_digest(f) for f in
+                sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{self.rank}_*.distcp")))}
+        every = all_gather_json(mine, self.group, self.device, self.timeout, "every rank's shard checksums")
+        if self.rank == 0:
+            table = {k: v for part in every for k, v in part.items()}
+            with open(os.path.join(str(checkpoint_id), CHECKSUMS), "w") as f:
+                json.dump({"blake2b": table}, f, indent=0, sort_keys=True)
+
+    def _bad_shards(self, checkpoint_id) -> list[str]:
+        """The shard files of a checkpoint whose BLAKE2b differs from ``dipc_checksums.json`` (or that are gone);
+        each rank checks every P-th file, so each file is read once.  ``[]`` without that file."""
+        import os
+
+        path = os.path.join(str(checkpoint_id), CHECKSUMS)
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            table = json.load(f)["blake2b"]
+        bad = []
+        for i, name in enumerate(sorted(table)):
+            if i % self.world == self.rank:
+                f = os.path.join(str(checkpoint_id), name)
+                if not os.path.exists(f) or _file_digest(f) != table[name]:
+                    bad.append(name)
+        return bad
+
     def load_checkpoint(self, checkpoint_id, optimizer: torch.optim.Optimizer | None = None,
                         extra: Mapping | None = None) -> None:
         """Load a DCP checkpoint written by :meth:`save_checkpoint` at any pp size, or by the unsplit model under
         ``{"model": model.state_dict(), "optim": ...}``: this rank reads its own entries (and ``optimizer``'s
         state); ``extra``'s tensors are loaded in place as ``dcp.load`` does.  Round trips are exact.
 
-        All or nothing: DCP reads into copies, the ranks then agree that every one of them read its part, and only
+        A checkpoint written by :meth:`save_checkpoint` carries a checksum per shard file (``dipc_checksums.json``),
+        checked first (the ranks share the files): a damaged shard is refused on every rank by name.  All or
+        nothing: DCP reads into copies, the ranks then agree that every one of them read its part, and only
         then are the parameters, the optimizer and ``extra`` written; a rank that failed leaves every rank's state as
         it was (an optimizer without state that this call initialised to read into is cleared again).
 
@@ -492,6 +547,7 @@ class PipelineRuntime:
                 FileNotFoundError: an entry this rank needs is not in the checkpoint, its shape differs, or there
                 is no checkpoint at ``checkpoint_id``.
             RuntimeError: another rank could not read its part (names the ranks); nothing was loaded here either.
+            ValueError: a shard does not match its checksum (names it), on every rank before anything is read.
             dipc.wire.WireTimeout: a rank did not report within the runtime's timeout; nothing was loaded.
         """
         import torch.distributed.checkpoint as dcp
@@ -499,6 +555,19 @@ class PipelineRuntime:
 
         had_state = optimizer is not None and bool(optimizer.state)
         failure: BaseException | None = None
+        try:
+            bad = self._bad_shards(checkpoint_id)
+            if bad:
+                raise ValueError(f"the checkpoint {checkpoint_id!r} is damaged: shard(s) {bad} do not match their "
+                                 f"checksums in {CHECKSUMS} (written by save_checkpoint)")
+        except Exception as e:  # noqa: BLE001 - every rank hears of it before DCP's collectives start
+            failure = e
+        failed = self._ranks_failing(failure is not None, f"every rank's check of the checkpoint {checkpoint_id!r}")
+        if failed:
+            if failure is not None:
+                raise failure
+            raise ValueError(f"rank(s) {failed} found the checkpoint {checkpoint_id!r} damaged (their error names the "
+                             "shards); nothing was loaded")
         try:
             sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
             if optimizer is not None:
