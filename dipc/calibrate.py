@@ -746,7 +746,7 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
     """
     import numpy as np
 
-    from .simulate import simulate_plan
+    from .simulate import end_of_step_seconds, simulate_plan
 
     compiled = pipe.compiled
     prof = compiled.device
@@ -808,9 +808,8 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
     coef, *_ = np.linalg.lstsq(xs[:, 1:], ys - scale * xs[:, 0], rcond=None)
     o_f = max(float(coef[0]), 0.0) if x[:, 1].any() else prof.launch_overhead
     o_b = max(float(coef[1]), 0.0) if x[:, 2].any() else prof.overhead(True)
-    def allreduces(p: DeviceProfile) -> float:  # what dipc.simulate adds for the end-of-step all-reduces
-        return (p.allreduce_time(4, compiled.pp_size)
-                + sum(p.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
+    def allreduces(p: DeviceProfile) -> float:  # what dipc.simulate adds for the end-of-step collectives
+        return end_of_step_seconds(compiled, p)
 
     if post:  # posting cost = fixed + per byte, least squares on the actions' mean durations
         pb = np.array([b for b, _ in post], dtype=float)

@@ -302,8 +302,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     With a device profile the step also pays what the runtime does around the plan: posting each SEND/RECV action
     (:meth:`dipc.device.DeviceProfile.post_time`), a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
     notice, as gloo and NCCL move data when both sides are posted), and after the last action the profile's
-    ``step_overhead``, one ring all-reduce per tied parameter over its ranks
-    (:meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
+    ``step_overhead``, the exchange of each tied parameter's gradient among its k ranks (each sends it to the k - 1
+    others: :func:`dipc.wire.sum_over_ranks`; :meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
     (:meth:`dipc.device.DeviceProfile.allreduce_time`).
 
     ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
@@ -342,6 +342,14 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
                              optimizer_states=optimizer_states), plan
 
 
+def end_of_step_seconds(compiled, dev) -> float:
+    """Seconds of the collectives after a step's last action on profile ``dev``: the loss all-reduce over the
+    pipeline and each tied weight's gradient exchange among its k ranks (k - 1 messages of its bytes each,
+    :func:`dipc.wire.sum_over_ranks`)."""
+    return (dev.allreduce_time(4, compiled.pp_size)
+            + sum((len(rs) - 1) * dev.p2p_time(nb) for _, rs, nb in compiled.tied_params()))
+
+
 def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=None,
                       optimizer_states: int = 2) -> SimResult:
     """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.runtime.build_workload`) as :func:`simulate`
@@ -370,8 +378,7 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     dev = compiled.device
     if dev is not None:
         post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors) / compiled.tp_size)  # noqa: E731
-        epilogue = (dev.step_overhead + dev.allreduce_time(4, compiled.pp_size)
-                    + sum(dev.allreduce_time(nb, len(rs)) for _, rs, nb in compiled.tied_params()))
+        epilogue = dev.step_overhead + end_of_step_seconds(compiled, dev)
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,
                         post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency,
                         transient_bytes=transient, buffer_bytes=buffers)

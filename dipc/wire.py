@@ -101,8 +101,9 @@ SUM_TAG = 0x7E5
 
 def sum_over_ranks(tensor: torch.Tensor, ranks, group=None, timeout: float = 300.0, what: str = "a sum") -> None:
     """Sum ``tensor`` in place over ``ranks`` (sorted ranks of ``group``, this rank among them) by point-to-point
-    messages: every other rank sends its tensor to the lowest rank, which adds them in rank order and sends the sum
-    back, so every rank ends with the same bits.
+    messages: every rank sends its tensor to every other and adds all of them in rank order, so every rank ends
+    with the same bits.  For two ranks (a weight tied across the first and last stage) each link carries the tensor
+    once in each direction, as a ring all-reduce's would; k ranks send it k - 1 times.
 
     It needs no process group of its own.  ``torch.distributed.new_group(..., use_local_synchronization=True)``
     names a group by how many groups each member already joined, so two such groups over different rank sets
@@ -115,19 +116,16 @@ def sum_over_ranks(tensor: torch.Tensor, ranks, group=None, timeout: float = 300
     """
     ranks = list(ranks)
     me = dist.get_rank(group)
-    lead = ranks[0]
-    if me == lead:
-        bufs = [torch.empty_like(tensor) for _ in ranks[1:]]
-        works = [dist.irecv(b, src=_global(group, r), group=group, tag=SUM_TAG) for b, r in zip(bufs, ranks[1:])]
-        for w, r in zip(works, ranks[1:]):
-            _wait(w, timeout, f"{what} from rank {r}")
-        for b in bufs:
-            tensor.add_(b)
-        sends = [dist.isend(tensor, dst=_global(group, r), group=group, tag=SUM_TAG) for r in ranks[1:]]
-        for w, r in zip(sends, ranks[1:]):
-            _wait(w, timeout, f"{what} to rank {r}")
-    else:
-        _wait(dist.isend(tensor, dst=_global(group, lead), group=group, tag=SUM_TAG), timeout,
-              f"{what} to rank {lead}")
-        _wait(dist.irecv(tensor, src=_global(group, lead), group=group, tag=SUM_TAG), timeout,
-              f"{what} from rank {lead}")
+    peers = [r for r in ranks if r != me]
+    got = {r: torch.empty_like(tensor) for r in peers}
+    recvs = [(r, dist.irecv(got[r], src=_global(group, r), group=group, tag=SUM_TAG)) for r in peers]
+    sends = [(r, dist.isend(tensor, dst=_global(group, r), group=group, tag=SUM_TAG)) for r in peers]
+    for r, w in recvs:
+        _wait(w, timeout, f"{what} from rank {r}")
+    for r, w in sends:
+        _wait(w, timeout, f"{what} to rank {r}")
+    total = tensor if ranks[0] == me else got[ranks[0]]  # (g0 + g1) + g2 ... on every rank: the same bits
+    for r in ranks[1:]:
+        total.add_(tensor if r == me else got[r])
+    if total is not tensor:
+        tensor.copy_(total)
