@@ -24,6 +24,10 @@ FAMILIES = {
     "llava_next": ("LLaVA-NeXT", "transformers LlavaNextForConditionalGeneration",
                    "image_sizes read with .tolist() (static values, re-captured per value); tokens per image follow "
                    "each image's size (declared with Instances(tokens_per_instance=fn))"),
+    "llava_onevision": ("LLaVA-OneVision", "transformers LlavaOnevisionForConditionalGeneration",
+                        "the per-sample batch_num_images decides each image's tiles (anyres when alone in its sample, "
+                        "its base tile in a multi-image one): image sub-microbatches of 2 hold whole samples and see "
+                        "their own counts; tokens per image declared with Instances(tokens_per_instance=fn)"),
     "paligemma": ("PaliGemma", "transformers PaliGemmaForConditionalGeneration",
                   "prefix/suffix token_type_ids; the model's token-count check placed at the merge"),
     "gemma3": ("Gemma 3", "transformers Gemma3ForConditionalGeneration",
