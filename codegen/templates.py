@@ -2,7 +2,7 @@
 
 A template turns the stages of one step (forward ``F`` and backward ``B`` of each (chunk, microbatch), encoders run
 on a microbatch's instances whole, without sub-microbatches) into a fixed order per rank.  The planner
-(:mod:`dipc.schedule`) then times that order, switches stages to recompute until it fits the memory limit (as a
+(:mod:`dipc.planner.schedule`) then times that order, switches stages to recompute until it fits the memory limit (as a
 user of that system turns recompute on), and lowers it into a :class:`dipc.plan.Plan` that the executor runs and the
 simulator scores, exactly like DIP's own plans.  Sources followed (shared/PAPER.md §3.1 baselines, DESIGN.md
 "Schedules"):

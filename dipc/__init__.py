@@ -9,7 +9,8 @@ from .compiler import CompiledPipeline, Program, compile
 from .plan import Action, Plan, PlanError, TensorSpec, validate
 from .passes.partition import PartitionError
 from . import launch
-from .simulate import simulate, simulate_plan, SimResult
+from .simulate import simulate_plan, SimResult  # the module first: the name dipc.simulate is the function below
+from .api import simulate
 from .codegen.templates import schedules
 from .runtime import StepReport, prefetch
 

@@ -29,13 +29,10 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from .errors import BatchError
 from .instances import Instances
 
 __all__ = ["BatchError", "Instances", "LossReduction", "Microbatch", "BatchSpec", "near_equal"]
-
-
-class BatchError(ValueError):
-    """A batch does not match the compiled pipeline (raised on every rank before any communication)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch.fx
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
-__all__ = ["Capture", "capture", "CaptureError"]
+__all__ = ["Capture", "capture", "CaptureError", "is_meta"]
 
 
 class CaptureError(ValueError):
@@ -463,3 +463,8 @@ def _prune_to_loss(graph: torch.fx.Graph, params: set) -> None:
 def signature_of(batch: Mapping[str, torch.Tensor], specialized: list[tuple[str, int]]) -> tuple:
     """Values of the specialized dims for ``batch`` (``None`` for an absent key)."""
     return tuple(batch[k].shape[d] if k in batch else None for k, d in specialized)
+
+
+def is_meta(model: torch.nn.Module) -> bool:
+    """True when any parameter or buffer of ``model`` is on the meta device (a check cannot run it)."""
+    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))

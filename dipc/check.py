@@ -21,12 +21,9 @@ from typing import Any, Mapping
 
 import torch
 
+from .capture import is_meta  # noqa: F401  (kept importable here)
+
 __all__ = ["check_capture", "check_pipeline", "is_meta", "loss_of"]
-
-
-def is_meta(model: torch.nn.Module) -> bool:
-    """True when any parameter or buffer of ``model`` is on the meta device (a check cannot run it)."""
-    return any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
 def loss_of(out: Any, loss_key: str = "loss") -> torch.Tensor:

@@ -21,8 +21,9 @@ import torch
 import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
-from .capture import Capture, CaptureError, capture, signature_of
-from .check import check_capture, check_pipeline, is_meta
+from .errors import NeedsCapture
+from .capture import Capture, CaptureError, capture, is_meta, signature_of
+from .check import check_capture, check_pipeline
 from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.checks import place_checks
@@ -45,11 +46,6 @@ ONE_SEGMENT = "model"
 def _rule_hit(node, rules) -> bool:
     from .passes.modality import _rule_modality
     return _rule_modality(module_path(node), rules, True) is not None
-
-
-class NeedsCapture(RuntimeError):
-    """:meth:`CompiledPipeline.program_for` needs a new capture where captures are not allowed (the background
-    planner, :mod:`dipc.planner.background`: the training process makes it, and the planner is forked again)."""
 
 
 class CompiledPipeline:

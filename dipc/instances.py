@@ -26,12 +26,9 @@ from typing import Callable, Mapping
 
 import torch
 
+from .errors import BatchError
+
 __all__ = ["Instances"]
-
-
-def _error(msg: str):
-    from .batch import BatchError
-    return BatchError(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +99,7 @@ class Instances:
         if callable(t):
             out = torch.as_tensor(t(batch)).reshape(-1).long() if n else torch.zeros(0, dtype=torch.long)
             if out.numel() != n:
-                raise _error(f"tokens_per_instance of {self.modality!r} gave {out.numel()} counts for {n} instances")
+                raise BatchError(f"tokens_per_instance of {self.modality!r} gave {out.numel()} counts for {n} instances")
             return out
         return torch.full((n,), int(t), dtype=torch.long)
 
@@ -116,17 +113,17 @@ class Instances:
         if self.per_sample:
             for k in self.keys:
                 if k in batch and batch[k].shape[0] != B:
-                    raise _error(f"batch[{k!r}] has dim 0 = {batch[k].shape[0]}, but {self.modality} keys are "
+                    raise BatchError(f"batch[{k!r}] has dim 0 = {batch[k].shape[0]}, but {self.modality} keys are "
                                  f"per-sample (dim 0 = the {B} samples)")
             return self._from_tokens(batch, B, None)
         n = self.n_instances(batch)
         if self.owner_key is not None:
             owner = batch[self.owner_key].reshape(-1).long() if n else torch.zeros(0, dtype=torch.long)
             if n and (int(owner.min()) < 0 or int(owner.max()) >= B):
-                raise _error(f"batch[{self.owner_key!r}] holds sample indices in [{int(owner.min())}, "
+                raise BatchError(f"batch[{self.owner_key!r}] holds sample indices in [{int(owner.min())}, "
                              f"{int(owner.max())}] but the batch has {B} samples")
             if n > 1 and bool((owner[1:] < owner[:-1]).any()):
-                raise _error(f"batch[{self.owner_key!r}] must be non-decreasing (each sample's {self.modality} "
+                raise BatchError(f"batch[{self.owner_key!r}] must be non-decreasing (each sample's {self.modality} "
                              f"instances together, in sample order), got {owner.tolist()}")
             counts = torch.bincount(owner, minlength=B) if n else torch.zeros(B, dtype=torch.long)
         else:
@@ -141,12 +138,12 @@ class Instances:
             tpi = int(self.tokens_per_instance)
             bad = [(b, int(c)) for b, c in enumerate(per.tolist()) if c % tpi]
             if bad:
-                raise _error(f"sample(s) {[b for b, _ in bad]} of {self.token_key!r} hold {[c for _, c in bad]} "
+                raise BatchError(f"sample(s) {[b for b, _ in bad]} of {self.token_key!r} hold {[c for _, c in bad]} "
                              f"placeholder tokens (id {self.token_id}), not a multiple of {tpi} tokens per "
                              f"{self.modality} instance")
             counts = per // tpi
             if n is not None and int(counts.sum()) != n:
-                raise _error(f"batch[{self.keys[0]!r}] holds {n} {self.modality} instance(s) but "
+                raise BatchError(f"batch[{self.keys[0]!r}] holds {n} {self.modality} instance(s) but "
                              f"{self.token_key!r} has {int(per.sum())} placeholder tokens (id {self.token_id}) = "
                              f"{int(counts.sum())} instance(s) of {tpi} tokens")
             return counts
@@ -158,12 +155,12 @@ class Instances:
         for b, c in enumerate(per.tolist()):
             acc += c
             if acc not in pos:
-                raise _error(f"sample {b} of {self.token_key!r} ends at placeholder token {acc}, which is not the end "
+                raise BatchError(f"sample {b} of {self.token_key!r} ends at placeholder token {acc}, which is not the end "
                              f"of a {self.modality} instance (instance token counts {t.tolist()})")
             counts.append(pos[acc] - last)
             last = pos[acc]
         if last != n:
-            raise _error(f"{self.token_key!r} has {acc} placeholder tokens (id {self.token_id}) for {last} "
+            raise BatchError(f"{self.token_key!r} has {acc} placeholder tokens (id {self.token_id}) for {last} "
                          f"{self.modality} instance(s), but the batch holds {n}")
         return torch.tensor(counts, dtype=torch.long)
 
@@ -186,7 +183,7 @@ class Instances:
             if total is not None and d0 == total:
                 continue
             what = f"{n} instance(s)" + (f" or the {total} rows of {self.row_counts!r}" if total is not None else "")
-            raise _error(f"batch[{k!r}] holds {d0} {self.modality} rows but the batch has {what}")
+            raise BatchError(f"batch[{k!r}] holds {d0} {self.modality} rows but the batch has {what}")
 
     # ------------------------------------------------------------------ cutting
     def cut(self, batch: Mapping, lo: int, hi: int, sample_lo: int = 0) -> dict[str, torch.Tensor]:

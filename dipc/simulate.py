@@ -18,8 +18,9 @@ stage latencies).  :func:`simulate_plan` replays a :class:`dipc.plan.Plan` exact
 A plan that cannot finish (a receive whose send comes after it on the waiting chain) raises
 :class:`dipc.plan.PlanError` naming, for each blocked rank, the action and the messages it waits on.
 
-:func:`simulate` is the convenience entry: it splits a batch, builds the step's stages with the compiled
-pipeline's cost estimate and schedules it, then simulates that plan.
+:func:`dipc.simulate` (:mod:`dipc.api`) is the convenience entry: it splits a batch, builds the step's stages with
+the compiled pipeline's cost estimate and schedules it, then simulates that plan (:func:`simulate_workload`).
+This module uses only the plan IR and reads the compiled pipeline and the step's stage graph it is handed.
 """
 from __future__ import annotations
 
@@ -287,61 +288,6 @@ def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
     return max(finish.values(), default=0.0)
 
 
-def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_bytes=None,
-             optimizer_states: int = 2, recompute=False, memory_limit: float | None = None,
-             schedule: str = "dip", budget_s: float = 0.0, seed: int = 0,
-             memory_opt: str = "ilp", search_workers: int = 1) -> tuple[SimResult, Plan]:
-    """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
-
-    Stage latencies and activation bytes are those the planner used: with a device profile
-    (``dipc.compile(..., device=...)``) the symbolic cost of each (chunk, sub-microbatch shape) on that device and
-    P2P time from its bandwidth and latency; without one the first, nominal estimate (no transfer time).  Each
-    rank's static memory defaults to :meth:`dipc.CompiledPipeline.rank_state_bytes` (parameters, gradients and
-    ``optimizer_states`` optimizer tensors per parameter, buffers), so ``peak_memory`` adds live activations to it.
-
-    With a device profile the step also pays what the runtime does around the plan: posting each SEND/RECV action
-    (:meth:`dipc.device.DeviceProfile.post_time`), a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
-    notice, as gloo and NCCL move data when both sides are posted), and after the last action the profile's
-    ``step_overhead``, the exchange of each tied parameter's gradient among its k ranks (each sends it to the k - 1
-    others: :func:`dipc.wire.sum_over_ranks`; :meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
-    (:meth:`dipc.device.DeviceProfile.allreduce_time`).
-
-    ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
-    plan keeps each rank's static bytes (with ``optimizer_states``, as ``static_bytes`` defaults to) plus live
-    activations under it (:func:`dipc.runtime.activation_budget`).
-
-    ``recompute``: the stages that recompute their forward in their backward (``True``: all; a predicate on the
-    forward :class:`dipc.schedule.Stage`): they keep only their inputs and their backward costs the forward again.
-
-    ``schedule``: a template of :func:`dipc.schedules` ("dip", "gpipe", "1f1b", "mimo", "optimus"); each is held to
-    the same ``memory_limit``, the static ones by recomputing stages until they fit (``result.recomputed``).
-
-    ``budget_s``: seconds of DIP's MCTS segment reordering (§2.3) on top of the interleaver (0: the interleaver
-    alone), deterministic under ``seed`` when the budget does not cut it; ``memory_opt``: "ilp" (DIP's per-rank
-    memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks); ``search_workers``:
-    processes scoring the search's rollouts in parallel (capped at half the host's cores).  See
-    :func:`dipc.runtime.make_plan`.
-
-    Returns:
-        ``(result, plan)``; ``plan.simulated["search"]`` holds the search's progress when ``budget_s`` > 0.
-
-    Raises:
-        ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
-        PlanError: a rank cannot fit the limit even with its stages recomputed.
-    """
-    from .runtime import build_workload, make_plan, set_recompute, split_for
-
-    mbs = split_for(compiled, batch, n_microbatches, schedule)
-    w = build_workload(compiled, mbs)
-    if recompute:
-        set_recompute(w, recompute)
-    plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,
-                     budget_s=budget_s, seed=seed, memory_opt=memory_opt, static_bytes=static_bytes,
-                     search_workers=search_workers)
-    return simulate_workload(compiled, w, plan, comm_time=comm_time, static_bytes=static_bytes,
-                             optimizer_states=optimizer_states), plan
-
-
 def end_of_step_seconds(compiled, dev) -> float:
     """Seconds of the collectives after a step's last action on profile ``dev``: the loss all-reduce over the
     pipeline and each tied weight's gradient exchange among its k ranks (k - 1 messages of its bytes each,
@@ -352,7 +298,7 @@ def end_of_step_seconds(compiled, dev) -> float:
 
 def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=None,
                       optimizer_states: int = 2) -> SimResult:
-    """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.runtime.build_workload`) as :func:`simulate`
+    """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.runtime.build_workload`) as :func:`dipc.simulate`
     does: the stages' latencies, activation and transient bytes, message buffers (per GPU under tensor
     parallelism), the runtime's posting overheads and end-of-step epilogue on the compiled pipeline's device."""
     if static_bytes is None:

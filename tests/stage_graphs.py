@@ -1,6 +1,6 @@
 """Hand-made stage graphs and schedule orders shared by the planner and simulator tests."""
 from dipc.plan import TensorSpec
-from dipc.schedule import Edge, Stage, StageGraph
+from dipc.stages import Edge, Stage, StageGraph
 
 T = (TensorSpec("h", (2, 4), "float32"),)
 

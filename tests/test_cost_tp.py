@@ -8,7 +8,7 @@ import torch
 import dipc
 from dipc.device import DeviceProfile
 from dipc.runtime import build_workload, split_for
-from dipc.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
+from dipc.planner.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
 
 import pipeline_cases as pc
 from stage_graphs import vlm_graph

@@ -6,7 +6,8 @@ import itertools
 import pytest
 
 from dipc.planner.mcts import mcts
-from dipc.schedule import StageGraph, list_schedule
+from dipc.stages import StageGraph
+from dipc.planner.schedule import list_schedule
 
 from stage_graphs import vlm_graph
 
@@ -146,7 +147,7 @@ def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_t
     from dipc.plan import stage_key
     from dipc.planner.planning import _fill_gaps, activation_budget
     from dipc.runtime import build_workload, make_plan, run_local, split_for
-    from dipc.schedule import lower, order_peaks, timed_schedule
+    from dipc.planner.schedule import lower, order_peaks, timed_schedule
 
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)

@@ -12,7 +12,7 @@ import dipc
 from dipc.codegen.stage import CodegenError
 from dipc.plan import PlanError, recompute_layout, recomputed_blocks
 from dipc.planner.memory import optimize_memory, prune_options
-from dipc.schedule import order_peaks
+from dipc.planner.schedule import order_peaks
 
 import pipeline_cases as pc
 from stage_graphs import chain_graph, gpipe_order, one_f_one_b_order

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 import dipc
 from dipc.plan import PlanError, validate
-from dipc.schedule import list_schedule, lower
+from dipc.planner.schedule import list_schedule, lower
 from dipc.simulate import simulate_plan
 
 import pipeline_cases as pc
@@ -49,7 +49,7 @@ def test_the_unlimited_list_schedule_on_heaps_is_the_general_loops_schedule(p, i
     permutations), windows, transfer times and text-only microbatches."""
     import random
 
-    import dipc.schedule as sch
+    import dipc.planner.schedule as sch
 
     g = vlm_graph(p, images, text_k=text_k)
     rnd = random.Random(seed)

@@ -1,8 +1,8 @@
-"""Messages travel as one packed buffer (dipc.runtime._pack / _unpack): every dtype and shape comes back exactly."""
+"""Messages travel as one packed buffer (dipc.runtime.messages._pack / _unpack): every dtype and shape comes back exactly."""
 import torch
 
 from dipc.plan import TensorSpec
-from dipc.runtime import _layout, _pack, _unpack
+from dipc.runtime.messages import _layout, _pack, _unpack
 
 
 def _spec(name, t):
@@ -38,7 +38,7 @@ def test_every_message_ends_with_a_status_word_and_abort_messages_carry_the_fail
     """The status word (0: data; r + 1: rank r failed first, no data) is how a failure reaches a peer blocked in a
     receive (Executor.run drains the plan with abort messages); it costs a copy of single-tensor messages, which
     were sent without one before."""
-    from dipc.runtime import _status
+    from dipc.runtime.messages import _status
     t = torch.randn(4, 4)
     spec = [_spec("h", t)]
     buf = _pack([t], spec, torch.device("cpu"))

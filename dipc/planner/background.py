@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..errors import NeedsCapture
 from ..wire import decode_json, encode_json
 
 __all__ = ["BackgroundPlanner", "encode_batch", "decode_batch", "planner_cpus"]
@@ -185,8 +186,6 @@ def _serve(conn, compiled, options: dict) -> None:
                 reply.update(digest=step_digest(compiled, w), plan=text, schedule=head["schedule"],
                              n_microbatches=head["n_microbatches"], amp=head.get("amp"))
             except Exception as e:  # the runtime falls back; the process goes on with the next batch
-                from ..compiler import NeedsCapture
-
                 reply["error"] = f"{type(e).__name__}: {e}"
                 reply["needs_capture"] = isinstance(e, NeedsCapture)
                 plan = None

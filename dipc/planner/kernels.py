@@ -1,8 +1,8 @@
 """The planner's inner loops on arrays, compiled with numba (DIP §2.3-2.5: the interleaver, the per-rank memory
 ILP's rows and rounding, the timing of a fixed order).
 
-A step's stages are numbered once (:func:`dipc.schedule.graph_arrays`); these kernels then run on integer and
-float arrays.  :func:`dipc.schedule.list_schedule` (without a memory limit), :func:`dipc.schedule.timed_schedule`
+A step's stages are numbered once (:func:`dipc.planner.schedule.graph_arrays`); these kernels then run on integer and
+float arrays.  :func:`dipc.planner.schedule.list_schedule` (without a memory limit), :func:`dipc.planner.schedule.timed_schedule`
 and :func:`dipc.planner.memory.optimize_memory` call them on stage objects; :class:`dipc.planner.rollout.Rollouts`
 calls them straight from a permutation of the search's groups.  Each does its float operations in the order the
 Python loops they replaced did, so schedules, strategies and times are those loops' to the last bit.
@@ -87,7 +87,7 @@ def _admit(i, r, b, t_start, t_last, earliest, pkey, k1, k2, size, P):
 @njit(cache=True)
 def list_kernel(P, rank, is_b, mbs, pkey, stage_of_key, succ_ptr, succ_idx, succ_delay, n_pred, lat, window,
                 n_mb):
-    """:func:`dipc.schedule._list_schedule_unlimited` on arrays (one entry per stage ``i``; ``pkey[i]``: its
+    """:func:`dipc.planner.schedule._list_schedule_unlimited` on arrays (one entry per stage ``i``; ``pkey[i]``: its
     priority as one int, smaller first, ``stage_of_key[pkey[i] % n] == i``; successors of ``i`` at
     ``succ_idx[succ_ptr[i]:succ_ptr[i + 1]]`` with the seconds from ``i``'s end to their earliest start;
     ``window`` < 0: none).  Returns ``(status, order [P, max stages per rank], per-rank lengths, start, end, the
@@ -205,7 +205,7 @@ def list_kernel(P, rank, is_b, mbs, pkey, stage_of_key, succ_ptr, succ_idx, succ
 # -------------------------------------------------------------------------------------------------- timing
 @njit(cache=True)
 def time_kernel(order, olen, pred_ptr, pred_idx, pred_delay, lat):
-    """:func:`dipc.schedule.timed_schedule`'s loop on arrays: each rank's ``order[r, :olen[r]]`` timed (a stage
+    """:func:`dipc.planner.schedule.timed_schedule`'s loop on arrays: each rank's ``order[r, :olen[r]]`` timed (a stage
     starts when its rank's previous stage and every predecessor, plus the edge's seconds, have ended).  Returns
     ``(status, start, end, the stages in the order they were timed)``; status 1: the order deadlocks."""
     n = lat.shape[0]

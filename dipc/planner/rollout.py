@@ -4,7 +4,7 @@ re-timing of one MCTS permutation, compiled with numba.
 DIP scores every permutation of the (microbatch, modality) groups by the simulated iteration time of its
 schedule: the dual-queue list schedule (§2.4), then the memory strategy of every forward-backward pair chosen by
 the per-rank ILP (§2.5), then the fixed order timed with the chosen latencies.  :func:`dipc.planner.search.
-search_priorities` did that on :class:`dipc.schedule.StageGraph` objects: a copy of the step's 6000 stages per
+search_priorities` did that on :class:`dipc.stages.StageGraph` objects: a copy of the step's 6000 stages per
 rollout at VLM-L / 64 microbatches, then three Python loops over them (~140 ms a rollout on a 2-core VM).
 :class:`Rollouts` numbers the stages once per search and runs the same three steps on arrays:
 
@@ -15,8 +15,8 @@ rollout at VLM-L / 64 microbatches, then three Python loops over them (~140 ms a
   (:meth:`dipc.planner.memory.CandidateTable.solve`);
 * the order timed with the chosen latencies by :func:`dipc.planner.kernels.time_kernel`.
 
-These are the kernels the object code calls too (:func:`dipc.schedule.list_schedule`,
-:func:`dipc.planner.memory.optimize_memory`, :func:`dipc.schedule.timed_schedule`), so a score is that code's to
+These are the kernels the object code calls too (:func:`dipc.planner.schedule.list_schedule`,
+:func:`dipc.planner.memory.optimize_memory`, :func:`dipc.planner.schedule.timed_schedule`), so a score is that code's to
 the last bit (``tests/test_rollout.py`` compares them on random permutations).  Where the object code would take
 another path - the ILP leaves a rank unsolved or misses its 5% gap (the greedy fit, branch and bound) -
 :meth:`Rollouts.score` returns None and the caller scores that permutation the object way.  The schedule of the
@@ -55,7 +55,7 @@ class Rollouts:
 
     def __init__(self, graph, P: int, comm, limits: Sequence[float | None] | None, window: int | None,
                  groups: Sequence, S: int | None = None):
-        from ..schedule import graph_arrays
+        from .schedule import graph_arrays
         from .memory import S_DEFAULT, CandidateTable, _candidates
 
         limited = limits is not None and any(x is not None for x in limits)

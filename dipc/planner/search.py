@@ -8,7 +8,7 @@ interleaver's forward and backward queues never compare priorities across direct
 both.  A permutation gives group i the priority ``n - i``; a rollout schedules the graph with them - under a
 memory limit as the interleaver's fastest window candidate (the list schedule with W microbatches in flight, fitted
 by recompute and :func:`dipc.planner.memory.optimize_memory`), or else by the memory-aware admission of
-:func:`dipc.schedule.list_schedule` and the ILP - re-timed, and scores its iteration time.
+:func:`dipc.planner.schedule.list_schedule` and the ILP - re-timed, and scores its iteration time.
 The search starts from the interleaver's own priorities (oldest microbatch first).
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 
 from ..plan import PlanError
-from ..schedule import StageGraph, copy_stage, list_schedule, timed_schedule
+from ..stages import StageGraph, copy_stage
+from .schedule import list_schedule, timed_schedule
 from .mcts import SearchResult, mcts
 from .memory import fit_order, optimize_memory
 
@@ -74,7 +75,7 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
         P: pipeline ranks.
         comm: edge -> transfer seconds (or None).
         limits: per-rank activation budgets in bytes (None: no limit).
-        recompute_cost: as :func:`dipc.schedule.list_schedule` takes it.
+        recompute_cost: as :func:`dipc.planner.schedule.list_schedule` takes it.
         budget_s, seed: the search's time budget (seconds, > 0) and seed.
         ilp: phase 3 by the memory ILP (else the admission's, or the greedy fit's, recompute only).
         window: under a limit, score each permutation as the interleaver's window candidate with this many

@@ -13,7 +13,7 @@ import torch
 
 from ..batch import Microbatch
 from ..plan import PlanError, TensorSpec, recompute_layout, stage_key
-from ..schedule import Edge, Stage, StageGraph
+from ..stages import Edge, Stage, StageGraph
 
 
 def _dtype_name(dt: torch.dtype) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
 from ..plan import RECVS, SENDS, Plan, PlanError, recompute_layout, stage_key, validate
-from ..schedule import Stage
+from ..stages import Stage
 
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import BatchError, Microbatch
-from ..check import is_meta
+from ..capture import is_meta
 from ..plan import Plan, PlanError, validate
 from ..wire import sum_over_ranks
 
