@@ -6,7 +6,7 @@ For every ``step(batch)`` on every rank of the pipeline group (DESIGN.md "Data f
    on every rank before any communication;
 2. the stage graph of the step is built: a forward and a backward stage per (chunk, microbatch, sub-microbatch),
    with the named tensors every cross-rank edge carries (shapes evaluated from the capture's symbolic shapes);
-3. rank 0 of the group schedules it (:func:`dipc.schedule.list_schedule`, DIP §2.4), lowers it to a
+3. rank 0 of the group schedules it (:func:`dipc.planner.schedule.list_schedule`, DIP §2.4), lowers it to a
    :class:`dipc.plan.Plan`, checks it (:func:`dipc.plan.validate`) and delivers it to every rank through
    ``torch.distributed`` with the step number and a SHA-256 digest that every rank checks (DIP §2.8);
 4. each rank executes its action list with non-blocking point-to-point sends and receives (gloo on CPU, NCCL on GPU:
@@ -17,16 +17,13 @@ For every ``step(batch)`` on every rank of the pipeline group (DESIGN.md "Data f
 :func:`run_local` executes a plan for all ranks in one process (no process group) in the order the plan's dry run
 found; it is the same executor with an in-memory transport.
 """
-from .messages import _ALIGN, _layout, _pack, _status, _status_offset, _unpack
-from .transport import TransportError, _completed, _DistTransport, _LocalTransport, _LocalWork
-from ..planner.workload import (StepWorkload, _dtype_name, _example_units, _fkey, _input_bytes, _units, autocast_dtypes,
-                       autocast_state, build_workload, memory_options, set_recompute, split_for, step_digest,
-                       workload_digest)
-from ..planner.planning import (MEMORY_ATTEMPTS, WINDOWS, _buffer_reserve, _copy_stages, _encoder_first_order, _interleave,
-                       _take, _virtual_stages, activation_budget, check_memory_limit, make_plan)
-from .executor import (Executor, StepFailed, _modules_of, _PeerFailed, _rng_state, _set_rng_state, run_local,
-                       zero_unreached_grads)
-from .pipeline import PipelineRuntime, StepReport, _Lookahead, log, prefetch
+from .transport import TransportError
+# the planner's public names, importable from here as before (its private ones from dipc.planner)
+from ..planner.workload import (StepWorkload, autocast_dtypes, autocast_state, build_workload, memory_options,
+                                set_recompute, split_for, step_digest, workload_digest)
+from ..planner.planning import activation_budget, check_memory_limit, make_plan
+from .executor import Executor, StepFailed, run_local, zero_unreached_grads
+from .pipeline import PipelineRuntime, StepReport, prefetch
 
 __all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "StepFailed", "TransportError", "build_workload",
            "run_local", "Executor", "set_recompute", "memory_options", "prefetch"]
