@@ -23,7 +23,8 @@ from ..planner.workload import (StepWorkload, autocast_dtypes, autocast_state, b
                                 set_recompute, split_for, step_digest, workload_digest)
 from ..planner.planning import activation_budget, check_memory_limit, make_plan
 from .executor import Executor, StepFailed, run_local, zero_unreached_grads
-from .pipeline import PipelineRuntime, StepReport, prefetch
+from .pipeline import PipelineRuntime
+from .report import StepReport, prefetch
 
 __all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "StepFailed", "TransportError", "build_workload",
            "run_local", "Executor", "set_recompute", "memory_options", "prefetch"]

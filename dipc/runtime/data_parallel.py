@@ -11,10 +11,15 @@ written into ``.grad`` until the step succeeded on every replica (:meth:`GradBuc
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
+from ..errors import BatchError
 from ..plan import Plan
+from ..planner.workload import StepWorkload
+from .executor import StepFailed
 
 __all__ = ["GradBuckets"]
 
@@ -110,3 +115,244 @@ class GradBuckets:
                 wk.wait(datetime.timedelta(seconds=self.timeout))
             except Exception:  # noqa: BLE001 - the first failure is what is reported
                 pass
+
+
+#: data-parallel sizes up to this name their failed replicas (a float64 bit mask in the step headers)
+_DP_MASK_BITS = 50
+
+
+class DataParallelMixin:
+    """The runtime's data-parallel step protocol (headers before and after each step, failures named across
+    replicas, the gradient buckets' all-reduce): methods of :class:`dipc.runtime.PipelineRuntime`."""
+
+    # -- data parallelism
+    def _dp_layout(self) -> dict:
+        """What the data-parallel replicas must share: the partition (chunk, rank, modality, blocks), this rank's
+        parameters and buffers (names, shapes, dtypes: the broadcast and the gradient buckets follow them) and the
+        bucket size."""
+        import hashlib
+
+        from ..wire import encode_json
+
+        comp = self.compiled
+        chunks = [[c.index, c.rank, c.modality, list(c.blocks)] for c in comp.partition.chunks]
+        state = [[n, list(t.shape), str(t.dtype)] for n, t in self.state_dict_names().items()]
+        return {"chunks": hashlib.sha256(encode_json(chunks)).hexdigest()[:16],
+                "state": hashlib.sha256(encode_json(state)).hexdigest()[:16], "bucket_bytes": self.bucket_bytes}
+
+    def _dp_check_layout(self) -> None:
+        """Before any weight moves between replicas: every replica compiled the same partition, holds the same
+        tensors on this pipeline rank and buckets gradients alike (else the broadcast and the all-reduces would pair
+        unlike tensors).  One all-gather over the data-parallel group, then one all-reduce over the pipeline, so
+        that every rank of every replica raises alike.
+
+        Raises:
+            ValueError: the replicas differ (names what differs: compiled from other example batches or options,
+                another ``bucket_mb``)."""
+        from ..wire import _wait, all_gather_json
+
+        mine = self._dp_layout()
+        every = all_gather_json(mine, self.dp_group, self.device, self.timeout,
+                                what="data-parallel replicas' layouts")
+        diff = sorted({k for o in every for k in o if o[k] != mine[k]})
+        bad = torch.tensor([1.0 if diff else 0.0], dtype=torch.float64, device=self.device)
+        _wait(dist.all_reduce(bad, group=self.group, async_op=True), self.timeout,
+              "the pipeline's agreement on the data-parallel layout")
+        if diff or float(bad.item()) > 0:
+            what = {"chunks": "the partition (compile every replica from the same example batch and options)",
+                    "state": "the parameters and buffers of this pipeline rank",
+                    "bucket_bytes": "bucket_mb"}
+            detail = "; ".join(what[k] for k in diff) if diff else "another pipeline rank's replicas differ"
+            raise ValueError(f"rank {self.rank}: the data-parallel replicas were built differently: {detail}; "
+                             "every replica must compile the same model, example batch and options and pass the "
+                             f"same bucket_mb (this rank: {mine})")
+
+    def _dp_broadcast_state(self) -> None:
+        """Every data-parallel replica starts from the first replica's parameters and buffers (as DDP does)."""
+        from ..wire import _wait
+
+        src = dist.get_global_rank(self.dp_group, 0)
+        with torch.no_grad():
+            for n, t in self.state_dict_names().items():
+                _wait(dist.broadcast(t.data, src=src, group=self.dp_group, async_op=True), self.timeout,
+                      f"the data-parallel broadcast of {n}")
+
+    def _dp_count(self, batch) -> float:
+        """This replica's share of the concatenated batch's loss normaliser (labelled tokens, samples, ...)."""
+        spec = self.compiled.batch_spec
+        if spec.loss.kind == "sum":
+            return 1.0
+        try:
+            key = spec.sample_key
+            n = int(batch[key].shape[0]) if key and isinstance(batch.get(key), torch.Tensor) else 1
+            return float(spec.loss.numerator(batch, n))
+        except Exception:  # noqa: BLE001 - a bad batch (or one without labels): the step refuses it on every rank
+            return 0.0
+
+    def _dp_guard(self, run):
+        """Run one pipeline's step under data parallelism; when it raises before every replica heard of it, tell
+        them (which then raise too) before raising here, so that no replica waits in an all-reduce until the
+        timeout: before the step's first header (:meth:`_dp_start`) that header says "failed"; after it, the
+        gradient buckets still owed are all-reduced (zeros) and the second header says "failed"."""
+        self._dp_phase, self._dp_buckets = 0, None
+        try:
+            return run()
+        except BaseException as e:
+            if not getattr(e, "_dipc_dp_told", False):
+                error = f"{type(e).__name__}: {e}"[:4000]  # what the other replicas' StepFailed will say
+                try:
+                    if self._dp_phase == 0:
+                        self._dp_start(0.0, training=False, failed=True, error=error)
+                    elif self._dp_phase == 1:
+                        if self._dp_buckets is not None:
+                            self._dp_buckets.launch_rest()
+                        self._dp_end(True, 0.0, None, error=error)
+                except Exception:  # noqa: BLE001 - the other replicas then meet their own timeout
+                    pass
+                if self._dp_buckets is not None:
+                    self._dp_buckets.drain()
+            raise
+        finally:
+            self._dp_buckets = None
+
+    def _dp_allreduce(self, h: torch.Tensor, what: str) -> torch.Tensor:
+        from ..wire import _wait
+
+        h = h.to(self.device)
+        _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout, what)
+        return h.cpu()
+
+    def _dp_failed(self, why: str) -> StepFailed:
+        e = StepFailed(f"step {self.step_index}: {why}; every replica stopped it and its .grad is as before it",
+                       step=self.step_index, usable=True)
+        e._dipc_dp_told = True
+        return e
+
+    def _dp_failure(self, mask: float, error: str) -> str:
+        """After a header whose first entry (``mask``: the sum of ``2 ** replica`` over the failed replicas) is not
+        0: the lowest failed replica's ``error`` reaches every replica (JSON over the data-parallel group, a
+        collective), and the text every replica's :class:`StepFailed` gives: which replicas failed and why."""
+        from ..wire import broadcast_json
+
+        bits = int(mask)
+        failed = [r for r in range(self.dp_size) if bits >> r & 1] if self.dp_size <= _DP_MASK_BITS else []
+        if not failed:
+            return f"{bits} data-parallel replica(s) failed this step"
+        me = dist.get_rank(self.dp_group)
+        text = broadcast_json(error if me == failed[0] else None, failed[0], self.dp_group, self.device, self.timeout,
+                              f"the error of data-parallel replica {failed[0]}")
+        return f"data-parallel replica(s) {failed} failed this step; replica {failed[0]}: {text}"
+
+    def _dp_flag(self, failed: bool) -> float:
+        """This replica's entry in a header's failure mask (``2 ** replica``; a count past 50 replicas)."""
+        if not failed:
+            return 0.0
+        return float(2 ** dist.get_rank(self.dp_group)) if self.dp_size <= _DP_MASK_BITS else 1.0
+
+    def _dp_start(self, count: float, training: bool, failed: bool = False, scale: float = 1.0,
+                  error: str = "") -> float:
+        """The step's first header, one float64 all-reduce (sum) over the data-parallel group before any activation
+        moves: [failed replicas, loss normaliser (``count``), replicas that train (not evaluate), step index, its
+        square, log2 of the gradient scaler's scale, its square].  Returns the normaliser's sum (the concatenated
+        batch's).
+
+        Raises:
+            StepFailed: a replica failed before its step began, evaluates while this one trains (or the reverse),
+                is at another step or has another gradient scale (every rank of every replica raises)."""
+        D = self.dp_size
+        ls = math.log2(scale) if 0 < scale < math.inf else 0.0
+        h = self._dp_allreduce(torch.tensor([self._dp_flag(failed), count, float(training), float(self.step_index),
+                                             float(self.step_index) ** 2, ls, ls * ls], dtype=torch.float64),
+                               f"the data-parallel replicas' status before step {self.step_index}")
+        self._dp_phase = 1
+        why = ""
+        if h[0] > 0:
+            why = self._dp_failure(float(h[0]), error)
+        elif float(h[2]) not in (0.0, float(D)):
+            why = (f"{int(h[2])} of the {D} data-parallel replicas trained while the others evaluated (every "
+                   "replica must call step() or eval_step() alike)")
+        elif float(h[4]) * D != float(h[3]) ** 2:
+            why = (f"the data-parallel replicas are at different steps (this one at step {self.step_index}): every "
+                   "replica must call step() for every batch")
+        elif abs(float(h[6]) * D - float(h[5]) ** 2) > 1e-9 * max(1.0, float(h[6]) * D):
+            why = (f"the data-parallel replicas' gradient scalers disagree (this one's scale is {scale!r}): use one "
+                   "scaler whose inf check spans every rank (ShardedGradScaler with process_group = all ranks)")
+        if why:
+            self._dp_phase = 2
+            raise self._dp_failed(why)
+        return float(h[1])
+
+    def _dp_end(self, failed: bool, weighted_loss: float, flags, error: str = "") -> tuple[torch.Tensor, str]:
+        """The step's second header, after its plan ran: [failed replicas' mask, sum of count-weighted losses, per
+        local parameter whether it has a gradient]; returns it and, when a replica failed, why
+        (:meth:`_dp_failure`, "" otherwise)."""
+        n = len(self.local_param_ids)
+        h = torch.zeros(2 + n, dtype=torch.float64)
+        h[0], h[1] = self._dp_flag(failed), weighted_loss
+        if flags is not None:
+            h[2:] = flags
+        h = self._dp_allreduce(h, f"the data-parallel replicas' status after step {self.step_index}")
+        self._dp_phase = 2
+        return h, (self._dp_failure(float(h[0]), error) if h[0] > 0 else "")
+
+    def _dp_begin_step(self, batch, training: bool, count: float | None = None, scale: float = 1.0) -> None:
+        """The data-parallel part of a step's start (:meth:`_dp_start`); a training step also gets its gradient
+        buckets (:class:`dipc.runtime.data_parallel.GradBuckets`, all-reduced as its backwards finish them)."""
+        from .data_parallel import GradBuckets
+
+        count = self._dp_count(batch) if count is None else count
+        total = self._dp_start(count, training, scale=scale)
+        self._dp_count_now, self._dp_total = count, total
+        if training:
+            scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
+            self._dp_buckets = GradBuckets(self.parameters(), self.bucket_bytes, self.dp_group, scale, self.timeout)
+
+    def _dp_reads(self, w: StepWorkload):
+        """action -> ids of the parameters its chunk reads (for :meth:`GradBuckets.schedule`)."""
+        from ..plan import stage_key
+
+        memo: dict = {}
+
+        def reads(a):
+            fk = stage_key("F", a.chunk, a.mb, a.sub)
+            prog = w.programs[fk]
+            k = (id(prog), a.chunk)
+            if k not in memo:
+                memo[k] = {id(self.compiled._state[n]) for n in prog.chunks[a.chunk].state_names
+                           if isinstance(self.compiled._state.get(n), torch.nn.Parameter)}
+            return memo[k]
+        return reads
+
+    def _dp_finish(self, loss: torch.Tensor, grads: bool) -> torch.Tensor:
+        """The data-parallel part of a step's end: the loss (and, with ``grads``, this step's gradients) as on the
+        replicas' concatenated batch.  Replica r's loss weighs ``count_r / sum(count)`` (labelled tokens for a
+        token-mean loss, samples for a sample mean; 1 for a summed loss) and so do its gradients, summed by the
+        buckets' all-reduces that started during the step (``bucket_mb`` MiB per bucket).  A parameter no replica
+        reached keeps no gradient, as in the unsplit model.
+
+        Raises:
+            StepFailed: another replica's step failed (every rank of every replica raises; the gradients are as
+                before the step)."""
+        params = self.parameters()
+        flags = None
+        b = self._dp_buckets
+        if grads:
+            b.launch_rest()
+            flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
+        count, total = self._dp_count_now, self._dp_total
+        h, why = self._dp_end(False, float(loss) * count if count else 0.0, flags)
+        if why:
+            if b is not None:
+                b.drain()
+            raise self._dp_failed(why)
+        if grads:
+            b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
+            spec = self.compiled.batch_spec.loss
+            if spec.kind == "token_mean" and not total:  # every replica raises this, and .grad stays as before
+                raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token in "
+                                 f"{spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
+            b.copy_back({id(p) for p, f in zip(params, h[2:].tolist()) if f > 0})
+            # after which of the rank's actions each bucket's all-reduce started (n_actions: after the plan)
+            self.last_dp_buckets = {"started_after": list(b.launched_at), "n_actions": b.n_actions}
+        out = float(h[1]) if self.compiled.batch_spec.loss.kind == "sum" else (float(h[1]) / total if total else 0.0)
+        return torch.tensor(out, dtype=torch.float32)

@@ -1,0 +1,113 @@
+"""What a step did: :class:`StepReport` (``pipe.last_report``), and :func:`prefetch`, the look-ahead that lets the
+background planner plan the next batch while this one runs."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+
+
+@dataclasses.dataclass
+class StepReport:
+    """What :meth:`PipelineRuntime.step` did (``pipe.last_report``; DIP's plan report, §2.2/§2.4).
+
+    Attributes:
+        step: the step index.
+        schedule: the template that ran ("dip" or a fallback).
+        plan_source: "async" (made by the background planner while the previous step ran), "sync" (made by rank 0
+            at the start of the step), "given" (``step(plan=...)``) or "fallback" (the background plan missed its
+            deadline, failed or its process died: ``schedule`` is the fallback template's).
+        fallbacks: steps of this runtime that fell back so far.
+        fallback_reason: why this step did not get its background plan ("" when it did, or none was asked for).
+        plan_s: seconds of the training thread from the step's start to the plan's delivery (splitting, the
+            workload, planning when synchronous, the header broadcast and digest check).
+        execute_s: seconds of the plan's execution and the step's all-reduces.
+        planner_s: wall seconds the background planner took for this plan, waiting for idle cores included (None
+            when it did not make it); ``planner_cpu_s`` its CPU seconds.
+        predicted_s: the plan's simulated iteration time in seconds (the device profile's, or the first estimate).
+        search: the MCTS progress of ``plan.simulated["search"]`` (rollouts, best score over time), or None.
+        simulation: the simulated step's ``iteration_time``, ``bound``, ``bubble_ratio``, ``bubble_causes`` (per
+            rank: busy, fill, waits, drain, posting seconds) and ``peak_memory`` (bytes per rank); made by the
+            background planner after the plan (read when asked for), or on first use of :meth:`simulate`.
+    """
+
+    step: int
+    schedule: str
+    plan_source: str
+    fallbacks: int
+    fallback_reason: str
+    plan_s: float
+    execute_s: float
+    planner_s: float | None
+    planner_cpu_s: float | None
+    predicted_s: float | None
+    search: dict | None
+    simulation: dict | None
+    _pipe: Any = dataclasses.field(default=None, repr=False)
+    _plan: Any = dataclasses.field(default=None, repr=False)
+    _workload: Any = dataclasses.field(default=None, repr=False)
+
+    def _fetch(self) -> dict | None:
+        planner = getattr(self._pipe, "_planner", None)
+        if self.simulation is None and self.plan_source == "async" and planner is not None:
+            self.simulation = planner.simulation(self.step)  # sent after the plan; never waits
+        return self.simulation
+
+    def simulate(self) -> dict:
+        """:attr:`simulation`: the background planner's when it sent it, else made now (on this rank)."""
+        if self._fetch() is None:
+            from ..planner.background import _summary
+
+            self.simulation = _summary(self._pipe.compiled, self._workload, self._plan,
+                                       self._pipe.compiled.rank_state_bytes())
+        return self.simulation
+
+    def summary(self) -> str:
+        """One line: the schedule and where its plan came from, planning time on the training thread and in the
+        background planner, predicted vs measured seconds, the simulated bubble ratio when known, fallbacks."""
+        parts = [f"step {self.step}", f"{self.schedule} ({self.plan_source})",
+                 f"plan {self.plan_s * 1e3:.1f} ms"]
+        if self.planner_s is not None:
+            parts.append(f"planner {self.planner_s * 1e3:.1f} ms ({self.planner_cpu_s * 1e3:.1f} ms CPU)")
+        if self.predicted_s is not None:
+            parts.append(f"predicted {self.predicted_s * 1e3:.3f} ms")
+        parts.append(f"measured {self.execute_s * 1e3:.1f} ms")
+        if self._fetch() is not None:
+            parts.append(f"bubble {self.simulation['bubble_ratio']:.1%}")
+        if self.search:
+            parts.append(f"search {self.search.get('rollouts', 0)} rollouts")
+        parts.append(f"fallbacks {self.fallbacks}")
+        return "  ".join(parts)
+
+
+class _Lookahead(dict):
+    """A batch (a plain dict) that also carries the next one (``next_batch``, None for the last)."""
+
+    next_batch: Mapping[str, torch.Tensor] | None = None
+
+
+def prefetch(iterable):
+    """Yield the batches of ``iterable`` one ahead: each is a dict carrying its successor as ``.next_batch``, which
+    :meth:`PipelineRuntime.step` hands to the background planner (DIP §2.2 asynchronous planning)::
+
+        for batch in dipc.prefetch(loader):
+            loss = pipe.step(batch)
+
+    Reads one batch ahead of what it yields (the first ``next`` reads two).
+
+    Raises:
+        TypeError: a batch is not a mapping (raised when it is reached)."""
+    end = object()
+    it = iter(iterable)
+    cur = next(it, end)
+    i = 0
+    while cur is not end:
+        if not isinstance(cur, Mapping):
+            raise TypeError(f"dipc.prefetch: batch {i} is a {type(cur).__name__}; batches must be mappings (dicts of "
+                            "tensors)")
+        out = _Lookahead(cur)  # copied before the next read: a loader may refill one dict in place
+        nxt = next(it, end)
+        out.next_batch = None if nxt is end else nxt
+        yield out
+        cur, i = nxt, i + 1
