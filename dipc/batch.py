@@ -91,6 +91,8 @@ class Microbatch:
             sub-microbatches hold whole samples (the batch has :attr:`BatchSpec.sample_constants`); the ranges
             partition the microbatch's samples.
         sample_keys: the keys a sample range slices (per-sample tensors and Python lists), with ``sub_samples``.
+        sample_starts: with ``sub_samples``, per instance modality its first instance of each sample and the end,
+            ``[n + 1]``: how a sample range cuts every modality's keys.
     """
 
     index: int
@@ -100,6 +102,7 @@ class Microbatch:
     weight: float
     sub_samples: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     sample_keys: frozenset = frozenset()
+    sample_starts: tuple = ()
 
     def sub_view(self, inst: Instances, sub: int) -> dict[str, torch.Tensor]:
         """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``; where its sub-microbatches hold
@@ -116,6 +119,17 @@ class Microbatch:
             if k in view:
                 view[k] = view[k][s_lo:s_hi]
         view.update(inst.cut(self.data, lo, hi, sample_lo=s_lo))
+        for other, starts in self.sample_starts:  # every other modality's instances of those samples, as split cuts
+            if other.modality == inst.modality or not other.present(self.data):
+                continue
+            o_lo, o_hi = starts[s_lo], starts[s_hi]
+            if o_lo == o_hi and other.drop_when_empty:
+                for k in other.keys:
+                    view.pop(k, None)
+            elif other.per_sample:
+                view.update(other.cut(self.data, s_lo, s_hi))
+            else:
+                view.update(other.cut(self.data, o_lo, o_hi, sample_lo=s_lo))
         return view
 
     def meta(self) -> dict:
@@ -341,8 +355,10 @@ class BatchSpec:
                     ranges.append((o, o + sz))
                     o += sz
                 subs[inst.modality] = ranges
+            starts = tuple((inst, [x - inst_start[inst.modality][s] for x in inst_start[inst.modality][s:s + n + 1]])
+                           for inst in self.instances) if sub_samples else ()
             mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0,
-                                  sub_samples=sub_samples, sample_keys=sample_keys))
+                                  sub_samples=sub_samples, sample_keys=sample_keys, sample_starts=starts))
         nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
         if self.loss.kind == "token_mean" and not allow_unlabelled and total == 0:

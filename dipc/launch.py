@@ -182,12 +182,24 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
         parent).
 
     Raises:
-        SpawnError: a rank raised (message holds its traceback) or the group did not finish within ``timeout``.
-        ValueError: ``pin_cpus`` is not a bool, or ``args`` cannot be pickled.
+        SpawnError: a rank raised (message holds its traceback, and the exit codes of ranks that died without a
+            word) or the group did not finish within ``timeout``.
+        ValueError: ``timeout`` is not a finite number >= 1, ``nprocs`` not an int >= 1, ``pin_cpus`` not a bool,
+            or ``fn`` or ``args`` cannot be pickled.
         OSError: ``pin_cpus`` on a platform without ``os.sched_setaffinity`` (not Linux).
     """
     if not isinstance(pin_cpus, bool):
         raise ValueError(f"pin_cpus must be a bool, got {pin_cpus!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds >= 1, got {timeout!r} (it is also the process "
+                         "group's collective timeout)")
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise ValueError(f"spawn's fn must be a module-level function (the ranks import it by name), got {fn!r}: "
+                         f"{type(e).__name__}: {e}") from None
     cpus = sorted(os.sched_getaffinity(0)) if pin_cpus and hasattr(os, "sched_getaffinity") else None
     if pin_cpus and cpus is None:
         raise OSError("pin_cpus needs os.sched_setaffinity (Linux)")
@@ -238,11 +250,16 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
+        # ranks that died on their own without a word (os._exit, a signal): their exit codes, before any kill below
+        silent = {r: p.exitcode for r, p in enumerate(procs)
+                  if not p.is_alive() and p.exitcode not in (None, 0) and r not in results and r not in errors}
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
     if errors:
         r = min(errors)
-        raise SpawnError(f"rank {r} failed:\n{errors[r]}")
+        also = (f"\n(ranks {sorted(silent)} exited without reporting, exit codes {[silent[k] for k in sorted(silent)]}: "
+                "the error above may be what their peers saw of it)" if silent else "")
+        raise SpawnError(f"rank {r} failed:\n{errors[r]}{also}")
     return [results[r] for r in range(nprocs)]

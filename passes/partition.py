@@ -406,10 +406,11 @@ def partition(graph: torch.fx.Graph, pp_size: int, *,
             fixed[m] = _refine_for_split_points(mod, points[m])
             n = len(fixed[m]) + 1
             if n % pp_size:
-                raise PartitionError(f"split_points[{m!r}] give {n} chunks, not a multiple of pp_size={pp_size}")
+                raise PartitionError(f"the split points of modality {m!r} ({points[m]}) give {n} chunks, not a "
+                                     f"multiple of pp_size={pp_size}")
             if m in given and given[m] * pp_size != n:
-                raise PartitionError(f"split_points[{m!r}] give {n} chunks but chunks_per_rank[{m!r}]={given[m]} "
-                                     f"asks for {given[m] * pp_size}")
+                raise PartitionError(f"the split points of modality {m!r} ({points[m]}) give {n} chunks but "
+                                     f"chunks_per_rank[{m!r}]={given[m]} asks for {given[m] * pp_size}")
             given[m] = n // pp_size
             continue
         while True:

@@ -164,7 +164,9 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
     ``extra`` as they were (DCP used to write the readable rank's optimizer state and counter in place before the
     failure surfaced); a shard with flipped bytes (it used to load silently) is refused by its checksum, by name,
     on every rank."""
+    import json
     import os
+    import time
 
     import torch
     import torch.distributed as dist
@@ -173,14 +175,20 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
     pipe.step(batches[1])
     opt.step()
     for name, shard, damage in (("gone", "__1_0.distcp", "delete"), ("cut", "__0_0.distcp", "truncate"),
-                                ("flipped", "__1_0.distcp", "flip")):
+                                ("flipped", "__1_0.distcp", "flip"), ("unnamed", "__0_0.distcp", "flip"),
+                                ("foreign", "", "optimizer")):
         pipe.save_checkpoint(f"{path}/{name}", opt, extra={"step": torch.tensor(5)})
         opt.zero_grad()
         pipe.step(batches[2])  # the live state moves on from the checkpoint's
         opt.step()
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and damage != "optimizer":
             f = os.path.join(path, name, shard)
+            if name == "unnamed":  # its entry gone from the table as well: a shard the table does not name
+                table = os.path.join(path, name, "dipc_checksums.json")
+                rows = json.load(open(table))
+                del rows["blake2b"][shard]
+                json.dump(rows, open(table, "w"))
             if damage == "delete":
                 os.remove(f)
             elif damage == "truncate":
@@ -191,18 +199,25 @@ def _failed_loads_change_nothing(rank, pipe, opt, path, batches):
                     byte = fh.read(1)
                     fh.seek(-1, 1)
                     fh.write(bytes([byte[0] ^ 0xFF]))
-            if damage != "flip":  # DCP itself meets the damage
+            if damage in ("delete", "truncate"):  # DCP itself meets the damage
                 os.remove(os.path.join(path, name, "dipc_checksums.json"))
         dist.barrier()
         params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
         state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()} for p, st in opt.state.items()}
         step = torch.tensor(3)
+        # a rank that fails before DCP starts (here: an optimizer that is not its own) is heard of at once
+        mine = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))]) if damage == "optimizer" and rank == 1 else opt
+        t = time.perf_counter()
         with pytest.raises(BaseException) as err:
-            pipe.load_checkpoint(f"{path}/{name}", opt, extra={"step": step})
+            pipe.load_checkpoint(f"{path}/{name}", mine, extra={"step": step})
+        assert time.perf_counter() - t < 30, f"rank {rank}: {name}: the refusal waited for a timeout"
         assert not isinstance(err.value, (KeyboardInterrupt, SystemExit)), err.value
-        if damage == "flip":
-            assert isinstance(err.value, ValueError) and ("shard(s) ['__1_0.distcp'] do not match" in str(err.value)
-                                                          if rank == 1 else "rank(s) [1] found" in str(err.value))
+        culprit = {"flipped": 1, "unnamed": 0, "foreign": 1}.get(name)
+        if culprit is not None:
+            own = {"flipped": "shard(s) ['__1_0.distcp'] do not match", "unnamed": "shard(s) ['__0_0.distcp'] do not "
+                   "match", "foreign": "is not one of rank 1's"}[name]
+            assert (own in str(err.value) if rank == culprit else
+                    f"rank(s) [{culprit}] failed in every rank's check of the checkpoint" in str(err.value)), err.value
         assert int(step) == 3, f"rank {rank}: {name}: extra was loaded"
         for n, p in pipe.named_parameters():
             assert torch.equal(p, params[n]), f"rank {rank}: {name}: parameter {n} changed"

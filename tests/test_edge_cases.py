@@ -250,3 +250,29 @@ def test_split_points_as_one_list_and_misspelled_keys_are_named():
                                          r"key\(s\) \['lables'\] that the example batch did not have \(did you "
                                          r"mean 'labels' for 'lables'\?\)"):
         c.batch_spec.split({"input_ids": ids, "lables": batch["labels"]}, 2)
+
+
+class ScaledLM(Body):
+    """Takes a Python float (``scale``) and a list of flags as batch values: constants of the trace."""
+
+    def forward(self, input_ids, labels, scale, flags):
+        logits = self.head(self.hidden(input_ids) * scale)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+
+
+def test_the_step_digest_covers_python_values():
+    """Issue 39 §4: ranks given batches that differ only in a Python value (a shared float) used to run the step
+    with each rank's own value (a loss mixing both); the digest every rank compares now covers Python values, as
+    JSON, the form the background planner receives them in (a tuple and a list of the same items agree)."""
+    from dipc.runtime import build_workload, split_for, step_digest
+
+    torch.manual_seed(0)
+    ids = _tokens(4, 6, 0)
+    c = dipc.compile(ScaledLM(), {"input_ids": ids, "labels": ids, "scale": 0.5, "flags": (1, 0)}, 2)
+
+    def digest(**values):
+        batch = dict({"input_ids": ids, "labels": ids, "scale": 0.5, "flags": (1, 0)}, **values)
+        return step_digest(c, build_workload(c, split_for(c, batch, 2)))
+
+    assert digest() != digest(scale=3.0)
+    assert digest() == digest(flags=[1, 0]) != digest(flags=(0, 1))

@@ -250,3 +250,59 @@ def test_per_sample_values_in_the_trace_are_sliced_with_their_sub_microbatch(pp)
         assert view["n_images"].tolist() == [1] and view["input_ids"].shape[0] == 1 and view["pixel"].shape[0] == 1
         for b in (text_first, images_first):
             local_check(model, c, b, 2)
+
+
+class TiledAndAudio(TiledVLM):
+    """:class:`TiledVLM` with a second instance modality: audio clips, one placeholder token each (``AUDIO``)."""
+
+    AUDIO = 62
+
+    def __init__(self):
+        super().__init__()
+        self.audio_tower = _Stack(2)
+
+    def forward(self, input_ids, n_images, labels, pixel=None, audio=None):
+        emb = self.embed(input_ids)
+        if pixel is not None:
+            single = [n == 1 for n in n_images for _ in range(n)]
+            tiles = torch.cat([pixel[i, :self.TILES if one else 1] for i, one in enumerate(single)])
+            emb = emb.masked_scatter((input_ids == TOK).unsqueeze(-1), self.vision_tower(tiles))
+        if audio is not None:
+            emb = emb.masked_scatter((input_ids == self.AUDIO).unsqueeze(-1), self.audio_tower(audio))
+        logits = self.head(self.language_model(emb))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+
+
+def tiled_audio_batch(counts, clips, seq, seed):
+    b = tiled_batch(counts, seq, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    ids = b["input_ids"]
+    ids[ids == TiledAndAudio.AUDIO] = 0  # random text never holds the audio placeholder
+    for s, k in enumerate(clips):
+        start = 2 + (TiledVLM.TILES if counts[s] == 1 else counts[s])
+        ids[s, start:start + k] = TiledAndAudio.AUDIO
+    b["labels"] = ids.masked_fill((ids == TOK) | (ids == TiledAndAudio.AUDIO), -100)
+    if sum(clips):
+        b["audio"] = torch.randn(sum(clips), D, generator=g)
+    return b
+
+
+def test_a_whole_sample_sub_microbatch_cuts_the_other_modalitys_instances_too():
+    """An audio sub-microbatch of whole samples is their sub-batch: its view holds those samples' images (or none),
+    not the microbatch's, so the trace made for it agrees with its own ``n_images`` (it crashed in capture before:
+    an audio view held sample 3's ``n_images = [0]`` with 4 images)."""
+    torch.manual_seed(0)
+    model = TiledAndAudio()
+    vision = dipc.Instances("vision", ("pixel",), token_id=TOK, tokens_per_instance=_tiled_tokens,
+                            drop_when_empty=True, sub_microbatch_size=1)
+    audio = dipc.Instances("audio", ("audio",), token_id=TiledAndAudio.AUDIO, drop_when_empty=True,
+                           sub_microbatch_size=1)
+    c = dipc.compile(model, tiled_audio_batch([1, 2, 0, 1], [1, 0, 2, 1], 12, 0), 2, instances=[vision, audio],
+                     modalities={"vision": ["vision_tower"], "audio": ["audio_tower"],
+                                 "text": ["embed", "language_model", "head"]})
+    b = tiled_audio_batch([1, 2, 1, 0], [2, 1, 0, 1], 14, 3)
+    mb = c.batch_spec.split(b, 1)[0]
+    view = mb.sub_view(audio, 2)  # sample 3: one clip, no image
+    assert "pixel" not in view and view["n_images"].tolist() == [0] and view["audio"].shape[0] == 1
+    local_check(model, c, b, 1)
+    local_check(model, c, tiled_audio_batch([0, 1, 1, 2], [3, 0, 1, 1], 14, 4), 2)

@@ -74,3 +74,26 @@ def _store_listens_on(rank, world):
 def test_the_rendezvous_store_listens_on_the_loopback_address_only():
     """Issue 39 §4: spawn's store served on every interface; now on 127.0.0.1 alone."""
     assert spawn(_store_listens_on, 2, (), timeout=120)[0].startswith("127.0.0.1:")
+
+
+def _exits(rank, world):
+    import time
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    dist.barrier()  # waits on the dead rank: its peer's error
+
+
+def test_spawn_refuses_bad_arguments_and_names_a_rank_that_exited_silently():
+    """A rank that calls os._exit shows in the error with its exit code, next to what its peer saw; a timeout below
+    1 s, a non-number and an unpicklable fn are refused before any process starts."""
+    with pytest.raises(SpawnError, match=r"exit codes \[3\]|ranks \[1\] exited without reporting \(exit codes \[3\]\)"):
+        spawn(_exits, 2, (), timeout=30)
+    for bad in (0.5, float("nan"), True, "9"):
+        with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds >= 1"):
+            spawn(_sum_all, 2, ([],), timeout=bad)
+    with pytest.raises(ValueError, match=r"spawn's fn must be a module-level function"):
+        spawn(lambda rank, world: rank, 2)

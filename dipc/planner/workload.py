@@ -5,6 +5,7 @@ strategies, and the digest every rank compares before the step runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 import gc
 from typing import Callable
@@ -471,7 +472,7 @@ def _input_bytes(w: StepWorkload, fk: str) -> float:
 
 def workload_digest(w: StepWorkload) -> str:
     """SHA-256 of a step: every edge of its stage graph with the names, shapes and dtypes of the tensors it
-    carries, and the values of each microbatch's integer tensors.  Ranks that traced the model alike
+    carries, and the values of each microbatch's integer tensors and Python values (flags, scales, lists).  Ranks that traced the model alike
     and were given the same batch agree on it."""
     import hashlib
 
@@ -488,7 +489,13 @@ def workload_digest(w: StepWorkload) -> str:
     for mb in w.microbatches:  # and the batch: integer tensors (tokens, labels), their values as int64 bytes
         for k in sorted(mb.data):
             v = mb.data[k]
-            if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex() and v.numel():
+            if not isinstance(v, torch.Tensor):  # a Python value is a constant of the trace: as JSON, the form the
+                try:  # background planner receives it in (a tuple reads back as a list)
+                    text = json.dumps(v, sort_keys=True)
+                except (TypeError, ValueError):
+                    text = repr(v)
+                h.update(f"{k}={text};".encode())
+            elif not v.is_floating_point() and not v.is_complex() and v.numel():
                 flat = v.detach().reshape(-1)
                 if flat.dtype != torch.int64:
                     flat = flat.long()

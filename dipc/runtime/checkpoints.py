@@ -223,20 +223,34 @@ class CheckpointsMixin:
                 json.dump({"blake2b": table}, f, indent=0, sort_keys=True)
 
     def _bad_shards(self, checkpoint_id) -> list[str]:
-        """The shard files of a checkpoint whose BLAKE2b differs from ``dipc_checksums.json`` (or that are gone);
-        each rank checks every P-th file, so each file is read once.  ``[]`` without that file."""
+        """The shard files of a checkpoint whose BLAKE2b differs from ``dipc_checksums.json``, that are gone, or
+        that the table does not name; each rank checks every P-th file, so each file is read once.  ``[]`` without
+        that file.
+
+        Raises:
+            ValueError: the checksum file is not the table ``save_checkpoint`` writes (names it)."""
         import os
+
+        import glob
 
         path = os.path.join(str(checkpoint_id), CHECKSUMS)
         if not os.path.exists(path):
             return []
-        with open(path) as f:
-            table = json.load(f)["blake2b"]
-        bad = []
+        try:
+            with open(path) as f:
+                table = json.load(f)["blake2b"]
+            if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+                raise TypeError("not a table of file names to hex digests")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"the checksum file {path} is damaged ({type(e).__name__}: {e}); delete it to load the "
+                             "checkpoint without checksums") from None
+        # a shard the table does not name is not checked: damaged as well
+        bad = [os.path.basename(f) for f in sorted(glob.glob(os.path.join(str(checkpoint_id), "*.distcp")))
+               if os.path.basename(f) not in table] if self.rank == 0 else []
         for i, name in enumerate(sorted(table)):
             if i % self.world == self.rank:
                 f = os.path.join(str(checkpoint_id), name)
-                if not os.path.exists(f) or _file_digest(f) != table[name]:
+                if os.path.basename(name) != name or not os.path.exists(f) or _file_digest(f) != table[name]:
                     bad.append(name)
         return bad
 
@@ -265,22 +279,15 @@ class CheckpointsMixin:
 
         had_state = optimizer is not None and bool(optimizer.state)
         failure: BaseException | None = None
-        try:
+        try:  # everything a rank can fail at alone, before DCP's collectives: every rank hears of it
             bad = self._bad_shards(checkpoint_id)
             if bad:
                 raise ValueError(f"the checkpoint {checkpoint_id!r} is damaged: shard(s) {bad} do not match their "
                                  f"checksums in {CHECKSUMS} (written by save_checkpoint)")
-        except Exception as e:  # noqa: BLE001 - every rank hears of it before DCP's collectives start
-            failure = e
-        failed = self._ranks_failing(failure is not None, f"every rank's check of the checkpoint {checkpoint_id!r}")
-        if failed:
-            if failure is not None:
-                raise failure
-            raise ValueError(f"rank(s) {failed} found the checkpoint {checkpoint_id!r} damaged (their error names the "
-                             "shards); nothing was loaded")
-        try:
             sd = {"model": {n: t.detach().clone() for n, t in self.state_dict_names().items()}}
+            has_state = False
             if optimizer is not None:
+                self._check_optimizer(optimizer)
                 # state tensors to load into only when the checkpoint holds state for this rank's parameters (an
                 # optimizer saved before its first step holds none: this one then starts without state too)
                 keys = set(dcp.FileSystemReader(str(checkpoint_id)).read_metadata().state_dict_metadata)
@@ -298,17 +305,14 @@ class CheckpointsMixin:
                 sd["optim"] = {k: v for k, v in full_optim.items() if k not in missing}
             if extra:
                 sd.update(tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, dict(extra)))
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        self._all_or_nothing(failure, optimizer, had_state, f"every rank's check of the checkpoint {checkpoint_id!r}")
+        try:
             dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             failure = e
-        failed = self._ranks_failing(failure is not None, f"every rank's load of the checkpoint {checkpoint_id!r}")
-        if failed:
-            if optimizer is not None and not had_state:
-                optimizer.state.clear()  # initialised above to read into
-            if failure is not None:
-                raise failure
-            raise RuntimeError(f"rank(s) {failed} could not load the checkpoint {checkpoint_id!r} (their error says "
-                               f"why); nothing was loaded on rank {self.rank} either")
+        self._all_or_nothing(failure, optimizer, had_state, f"every rank's load of the checkpoint {checkpoint_id!r}")
         self.load_state_dict(sd["model"], strict=False)
         if optimizer is not None:
             if not has_state:
@@ -319,6 +323,20 @@ class CheckpointsMixin:
                 optimizer.state.pop(p, None)
         if extra:
             _copy_into(extra, {k: sd[k] for k in extra})
+
+    def _all_or_nothing(self, failure: BaseException | None, optimizer, had_state: bool, what: str) -> None:
+        """Every rank says whether ``failure`` happened to it (:meth:`_ranks_failing`); when any did, each rank
+        raises (its own error, or one naming the failed ranks), an optimizer without state that was initialised to
+        read into cleared again.  Nothing else was written yet."""
+        failed = self._ranks_failing(failure is not None, what)
+        if not failed:
+            return
+        if optimizer is not None and not had_state:
+            optimizer.state.clear()
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank(s) {failed} failed in {what} (their error says why); nothing was loaded on rank "
+                           f"{self.rank} either")
 
     def _ranks_failing(self, failed: bool, what: str) -> list[int]:
         """The pipeline ranks for which ``failed`` is true (a collective: every rank says whether it failed)."""
