@@ -16,26 +16,22 @@ import os
 import warnings
 from typing import Any, Mapping, Sequence
 
-import sympy
 import torch
 import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
-from .errors import NeedsCapture
-from .capture import Capture, CaptureError, capture, is_meta, signature_of
+from .capture import is_meta
 from .check import check_capture, check_pipeline
 from .passes.cost import annotate_cost, node_latency
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
 from .passes.checks import place_checks
-from .passes.datasizes import size_program
 from .passes.lossform import loss_form
-from .passes.partition import Partition, PartitionError, apply_partition, partition
-from .program import Program, _bindings, _carries_grad, _check_acyclic, _data_dependent, _tied_dims, index_ranges
+from .passes.partition import Partition, PartitionError, partition
+from .program import Program, _check_acyclic, _tied_dims, index_ranges
 from .families import _auto_instances, _loss_from_form
-from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
-from .passes.symcost import _Graph as _SymGraph
-from .codegen.stage import build_chunk_modules
 from .codegen.source import chunk_source
+from .costing import CostingMixin, _param_weights, _state_weights
+from .programs import ProgramCacheMixin
 
 __all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
 
@@ -48,7 +44,7 @@ def _rule_hit(node, rules) -> bool:
     return _rule_modality(module_path(node), rules, True) is not None
 
 
-class CompiledPipeline:
+class CompiledPipeline(ProgramCacheMixin, CostingMixin):
     """A model compiled into modality chunks for ``pp_size`` pipeline ranks.
 
     Build it with :func:`compile`.  Inspect with :meth:`describe`, :meth:`modality_report`, :attr:`partition` and
@@ -180,118 +176,6 @@ class CompiledPipeline:
                 if n.op == "call_function":
                     n.meta["dipc_modality"] = ONE_SEGMENT
 
-    # ------------------------------------------------------------------ programs
-    def traced(self, data: Mapping[str, Any]) -> dict:
-        """``data`` as the trace sees it: the ``static_keys`` tensors as nested Python lists (constants)."""
-        out = dict(data)
-        for k in self.static_keys:
-            if isinstance(out.get(k), torch.Tensor):
-                out[k] = out[k].tolist()
-        return out
-
-    def _capture(self, data: Mapping[str, Any], first: bool = False) -> Capture:
-        """Capture ``model(**data)``.  When the first capture fails on a size or branch that depends on data,
-        small integer tensors of the batch (not its tokens or labels) are retried as static values - the
-        ``.tolist()`` of Hugging Face LLaVA-NeXT's ``image_sizes`` - with a warning naming them."""
-        import contextlib
-
-        # the caller may be inside torch.autocast (a new shape met in an autocast step): a capture is the model's own
-        # graph; autocast is applied when the chunks run
-        with contextlib.ExitStack() as stack:
-            for kind in ("cpu", "cuda"):
-                if torch.is_autocast_enabled(kind):
-                    stack.enter_context(torch.autocast(kind, enabled=False))
-            return self._capture_plain(data, first)
-
-    def _capture_plain(self, data: Mapping[str, Any], first: bool = False) -> Capture:
-        try:
-            return capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
-        except CaptureError as e:
-            if not first or self.static_keys or not _data_dependent(e):
-                raise
-            guess = [k for k, v in data.items() if isinstance(v, torch.Tensor) and not v.is_floating_point()
-                     and 0 < v.numel() <= 4096 and k not in (self.batch_spec_keys_excluded(data))]
-            if not guess:
-                raise
-            self.static_keys = guess
-            try:
-                cap = capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
-            except CaptureError:
-                self.static_keys = []
-                raise e
-            warnings.warn(f"dipc: {type(self.model).__name__}'s forward reads the values of {guess} (e.g. with "
-                          ".tolist()): they are static in its trace, re-captured per distinct value; pass "
-                          "static_keys= to say so", stacklevel=4)
-            return cap
-
-    def _tracer(self) -> torch.nn.Module:
-        """The module torch.export traces: the model, or after a runtime materialised its rank's part of a
-        meta-device model (:meth:`dipc.runtime.PipelineRuntime`), the all-meta copy it kept (in the model's mode)."""
-        twin = getattr(self, "_trace_model", None)
-        if twin is None:
-            return self.model
-        twin.train(self.model.training)
-        return twin
-
-    def _trace_data(self, data: Mapping[str, Any]) -> dict:
-        """:meth:`traced` ``data``, its tensors on the meta device when the traced model is (a meta model's trace
-        sees only shapes and dtypes; the graph's ``device=meta`` constants are set to the rank's device when its
-        chunks first run)."""
-        out = self.traced(data)
-        if self._traces_on_meta():
-            out = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-        return out
-
-    def _traces_on_meta(self) -> bool:
-        return is_meta(self._tracer())
-
-    @staticmethod
-    def batch_spec_keys_excluded(data: Mapping[str, Any]) -> set[str]:
-        """Integer keys never made static by the retry: tokens, labels and masks over tokens."""
-        from .batch import TOKEN_ALIGNED
-        return {"input_ids"} | TOKEN_ALIGNED | {k for k in data if k.endswith("input_ids")}
-
-    def _program_from(self, cap: Capture) -> Program:
-        state = self._state_with(cap)
-        sizes = size_program(cap.graph, cap.input_keys, cap.state_targets, cap.constants)
-        chunks = build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, state,
-                                     len(self.partition.chunks), build=self._build,
-                                     data_symbols=sizes.symbols if sizes is not None else (),
-                                     extra_outputs=cap.outputs)
-        bindings = _bindings(cap)
-        boundary: dict[str, list[str]] = {}
-        mod_of = {c.index: c.modality for c in self.partition.chunks}
-        for c, cm in chunks.items():
-            for inp in cm.inputs:
-                if inp.kind == "value" and mod_of[inp.src_chunk] != mod_of[c]:
-                    lst = boundary.setdefault(mod_of[inp.src_chunk], [])
-                    if inp.name not in lst:
-                        lst.append(inp.name)
-        order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
-        for m in boundary:
-            boundary[m].sort(key=order.__getitem__)
-        # parameters the loss reaches through values that carry a gradient (not through .detach() or no_grad):
-        # autograd gives those a gradient in the unsplit model, zero or not, and the others none
-        loss_params, stack, seen = set(), [next(n for n in cap.graph.nodes if n.name == cap.loss_node)], set()
-        while stack:
-            n = stack.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            if n.op == "placeholder" and cap.state_targets.get(n.name, ("",))[0] == "parameter":
-                loss_params.add(cap.state_targets[n.name][1])
-            if n.op == "placeholder" or _carries_grad(n):
-                stack.extend(n.all_input_nodes)
-        prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
-                       sizes=sizes)
-        prog.builder = lambda c, prog=prog: self._build_chunk(prog, c)
-        prog.training = self.model.training  # the mode it was captured in (see mode_dependent)
-        prog.meta_trace = self._traces_on_meta()  # its graph's device constants say "meta" (see _trace_data)
-        if self.device is not None:
-            prog.chunk_costs = self._chunk_costs(cap)
-            prog.block_costs_of = self._block_costs
-        return prog
-
     @property
     def outputs(self) -> list[str]:
         """The model's output keys besides the loss that forward-only evaluation can hand back (``["logits"]`` for
@@ -322,292 +206,12 @@ class CompiledPipeline:
             stack.extend(n.all_input_nodes)
         return False
 
-    def build_only(self, chunks: set[int] | None) -> None:
-        """Keep GraphModules only for ``chunks`` (a pipeline rank's own; ``None``: all): the other chunks' modules of
-        every program are dropped now, later captures build only these, and a module asked for anyway
-        (:meth:`dipc.program.Program.module`, e.g. by :func:`dipc.runtime.run_local` in this process) is built
-        then.  :class:`dipc.runtime.PipelineRuntime` calls it with its rank's chunks."""
-        self._build = None if chunks is None else set(chunks)
-        if self._build is None:
-            return
-        for prog in self.programs:
-            for c, cm in prog.chunks.items():
-                if c not in self._build:
-                    cm.gm = None
-
-    def _state_with(self, cap: Capture) -> dict[str, torch.Tensor]:
-        """The model's current parameters and buffers by name, plus ``cap``'s lifted constants."""
-        state = dict(self._state)
-        for name, t in cap.constants.items():
-            state.setdefault(name, t)
-        return state
-
-    def _build_chunk(self, prog: Program, chunk: int) -> torch.fx.GraphModule:
-        """``chunk``'s GraphModule of ``prog``, generated now from its capture with the model's current tensors."""
-        cap = prog.capture
-        return build_chunk_modules(cap.graph, cap.state_targets, cap.input_keys, cap.loss_node, self._state_with(cap),
-                                   len(self.partition.chunks), build={chunk},
-                                   data_symbols=prog.sizes.symbols if prog.sizes is not None else (),
-                                   extra_outputs=cap.outputs)[chunk].gm
-
-    def _latency_f(self, c) -> sympy.Expr:
-        """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),
-        built once per node: the chunk and the per-block costs share it."""
-        memo = self.__dict__.setdefault("_latency_f_memo", {})
-        hit = memo.get(id(c))
-        if hit is None or hit[0] is not c:
-            T = self.tp_size
-            hit = memo[id(c)] = (c, self.device.op_latency_expr(c.family, c.flops_fwd / T,
-                                                                (c.bytes_read + c.bytes_written) / T))
-        return hit[1]
-
-    def _block_costs(self, prog: Program, chunk: int):
-        """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
-        recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
-        nodes save for the backward and ``i<j>`` the bytes of the values it reads from outside itself (what its
-        activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
-        all per GPU (÷ ``tp_size``), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
-        T = self.tp_size
-        nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
-        layers: list = []
-        for n in nodes:
-            if n.meta.get("dipc_layer") not in layers:
-                layers.append(n.meta.get("dipc_layer"))
-        ctx = _SymGraph(prog.capture.graph, prog.capture.input_keys)
-        stashed: set = set()  # storages already held by an earlier layer's checkpoint (one copy in memory)
-        exprs = {}
-        for j, v in enumerate(layers):
-            fs, acts, ins = [], [], []
-            for n in nodes:
-                if n.meta.get("dipc_layer") != v:
-                    continue
-                c = n.meta.get("dipc_symcost")
-                if c is not None:
-                    fs.append(self._latency_f(c))
-                    acts.append(c.activation_bytes / T)
-                for a in n.all_input_nodes:
-                    if a.op not in ("placeholder", "call_function") or (
-                            a.op == "call_function" and a.meta.get("dipc_chunk") == chunk
-                            and a.meta.get("dipc_layer") == v):
-                        continue
-                    key, nbytes, is_state = ctx.base(a)
-                    if not is_state and key not in stashed:
-                        stashed.add(key)
-                        ins.append(nbytes / T)
-            exprs[f"f{j}"] = sympy.Add(*fs)
-            exprs[f"a{j}"] = sympy.Add(*acts)
-            exprs[f"i{j}"] = sympy.Add(*ins)
-        return CompiledCost(exprs)
-
-    def _dip_rules(self, cap: Capture, instances, auto_b: set[str]):
-        """DIP §2.1 on the device profile: B_i = the smallest sub-microbatch size keeping >= 95% of module i's peak
-        efficiency (instances per second of its forward + backward, sizes 1..64), for instance modalities whose
-        B_i was not given; T_i = module i's latency at B_i (other modules: on the example batch), for K_i =
-        floor(T_i / T_1); and every node's forward + backward seconds at those sizes, by which the partition
-        balances blocks.  Returns (instances, module latency, node seconds)."""
-        annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
-        dev = self.device
-        T = self.tp_size
-        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T, (c.bytes_read + c.bytes_written) / T)
-                 + dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
-        by_mod: dict[str, list] = {}
-        for n in cap.graph.nodes:
-            if n.op == "call_function":
-                by_mod.setdefault(n.meta["dipc_modality"], []).append(n)
-        costs = {m: compile_costs(ns, extra=extra) for m, ns in by_mod.items()}
-        binds = _bindings(cap)
-        example = {}
-        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
-        for sym, key, d in binds:
-            name = next(k for k, v in cap.input_keys.items() if v == key)
-            example[sym] = int(ph[name].meta["val"].shape[d].node.hint)
-        latency = {m: costs[m](example)["latency"] for m in costs}
-        at: dict[str, dict] = {}  # modality -> sizes its T_i is taken at (instance modalities: B_i instances)
-        out = []
-        for inst in instances:
-            sym = next((sym for sym, key, d in binds if key == inst.keys[0] and d == 0), None)
-            if sym is None or inst.modality not in costs:
-                self.rule_notes[inst.modality] = "instance count fixed by the model: B_i not derived"
-                out.append(inst)
-                continue
-            t = {b: costs[inst.modality]({**example, sym: b})["latency"] for b in range(1, 65)}
-            eff = {b: b / t[b] for b in t if t[b] > 0}
-            b_i = inst.sub_microbatch_size
-            if inst.modality in auto_b and eff:
-                peak = max(eff.values())
-                b_i = min(b for b, e in eff.items() if e >= 0.95 * peak)
-                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
-                inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
-            latency[inst.modality] = t.get(b_i, latency[inst.modality])
-            at[inst.modality] = {**example, sym: b_i}
-            out.append(inst)
-        node_seconds = {}
-        for m, ns in by_mod.items():
-            values = at.get(m, example)
-            for n in ns:
-                c = n.meta.get("dipc_symcost")
-                if c is not None:
-                    node_seconds[n.name] = float(extra["latency"](c).xreplace(values))
-        return out, latency, node_seconds
-
-    def _chunk_costs(self, cap: Capture) -> dict:
-        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6); with ``tp_size`` T
-        each operator's FLOPs and bytes are divided by T (Megatron's column/row split with sequence parallelism)
-        before the roofline, so small per-GPU matrices pay the profile's efficiency curve.  ``op_peak_bytes``: the
-        output bytes of the chunk's largest op (chosen at the example's sizes), a stage's transient memory."""
-        if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
-            annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
-        dev = self.device
-        T = self.tp_size
-        extra = {"latency_f": self._latency_f,
-                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
-        nodes: dict[int, list] = {}
-        for n in cap.graph.nodes:
-            if n.op == "call_function":
-                nodes.setdefault(n.meta["dipc_chunk"], []).append(n)
-        out = {}
-        for c, ns in nodes.items():
-            # the stage's transient: the largest single op output at the example's sizes (the trace's size
-            # hints), kept as its symbolic expression
-            biggest = None
-            for n in ns:
-                sc = n.meta.get("dipc_symcost")
-                if sc is None:
-                    continue
-                v = _example_bytes(n.meta.get("val"))
-                if biggest is None or v > biggest[0]:
-                    biggest = (v, sc)
-            pick = biggest[1] if biggest else None
-            out[c] = compile_costs(ns, extra={**extra, "op_peak_bytes": lambda sc, pick=pick: sc.bytes_written
-                                              if sc is pick else sympy.Integer(0)})
-        return out
-
-    def _check_sub_microbatching(self, prog: Program) -> None:
-        """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""
-        mod_of = {c.index: c.modality for c in self.partition.chunks}
-        for inst in self.batch_spec.instances:
-            for c, cm in prog.chunks.items():
-                if mod_of[c] != inst.modality:
-                    continue
-                for i in cm.inputs:
-                    if i.kind == "batch" and i.key not in inst.keys:
-                        raise BatchError(f"chunk {c} ({inst.modality}) reads batch key {i.key!r}, which is not one of "
-                                         f"its instance keys {list(inst.keys)}: it cannot run on sub-microbatches")
-                    if i.kind == "value" and mod_of[i.src_chunk] != inst.modality:
-                        raise BatchError(f"chunk {c} ({inst.modality}) reads {i.name!r} from a {mod_of[i.src_chunk]} "
-                                         "chunk: it cannot run on sub-microbatches")
-
-    def _candidates(self, traced: Mapping[str, Any]) -> list[Program]:
-        """The programs whose capture has ``traced``'s keys, static-dim values and Python values (what
-        :meth:`dipc.capture.Capture.fits` compares), in :attr:`programs` order: a dict lookup per distinct set of
-        static dims instead of a scan of every capture, which every stage of every step made (LLaVA captures once
-        per image count: dozens of programs)."""
-        from .capture import python_values, signature_of
-
-        index = getattr(self, "_program_index", None)
-        if index is None or index[0] is not self.programs or index[1] != len(self.programs):
-            groups: dict[tuple, dict[tuple, list[int]]] = {}
-            for i, prog in enumerate(self.programs):
-                cap = prog.capture
-                groups.setdefault(tuple(cap.specialized), {}).setdefault(
-                    (cap.keys, tuple(cap.signature), tuple(cap.values)), []).append(i)
-            index = self._program_index = (self.programs, len(self.programs), groups)
-        keys, values = frozenset(traced), python_values(traced)
-        found: list[int] = []
-        for specialized, table in index[2].items():
-            found.extend(table.get((keys, signature_of(traced, specialized), values), ()))
-        return [self.programs[i] for i in sorted(found)]
-
-    def program_for(self, data: Mapping[str, torch.Tensor], whole: bool = True) -> Program:
-        """A program whose graph fits ``data``: every dim static in that capture (fixed by the model, by
-        torch.export's 0/1 rule or by the user) has ``data``'s value.  Captured on first use and cached; a new capture
-        can fix more dims than the first one (e.g. an image count of 1), so each program is checked against its own
-        static dims and no graph ever runs with a stale shape.
-
-        Args:
-            data: a microbatch, or a sub-microbatch view (instance keys sliced).
-
-        A model with dropout (:attr:`mode_dependent`) is captured per mode: the program is one captured while the
-        model was in its current mode (``model.train()`` / ``model.eval()``, which ``pipe.train()`` / ``pipe.eval()``
-        set); a model without runs the same graphs in both.
-            whole: ``data`` is a whole microbatch (the eager model can run it): with ``check``, a new capture is
-                compared with the eager model (:func:`dipc.check.check_capture`).
-        """
-        traced = self.traced(data)
-        mode = self.model.training
-        if not self.mode_dependent and mode not in self._modes_seen and getattr(self, "allow_capture", True):
-            self._modes_seen.add(mode)
-            other = self._capture(self._example_batch)
-            def ops(g):  # each op with its constant arguments (dropout's train flag, ...)
-                return [(str(n.target), [repr(a) for a in n.args if not isinstance(a, torch.fx.Node)])
-                        for n in g.nodes if n.op == "call_function"]
-            if ops(other.graph) != ops(self.program.capture.graph):
-                self.mode_dependent = True
-        for prog in self._candidates(traced):  # a capture fits when every dim static in *its* graph has the
-            if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):  # batch's value
-                return prog
-        if not getattr(self, "allow_capture", True):  # rank 0's background planner: the training process captures
-            raise NeedsCapture(f"no capture of {type(self.model).__name__} fits a microbatch with shapes "
-                               f"{ {k: list(v.shape) for k, v in data.items() if isinstance(v, torch.Tensor)} }")
-        sig = signature_of(data, self.specialized)
-        dims = sorted({f"{k}.shape[{d}]" for (k, d), a, b in zip(self.specialized, sig, self.program.capture.signature)
-                       if a is not None and a != b} - self._warned)
-        keys = sorted({f"without {k}" for k in self.program.capture.keys if k not in data} - self._warned)
-        if dims or keys:
-            self._warned.update(dims + keys)
-            why = []
-            if dims:
-                why.append(f"the model fixes {', '.join(dims)} when traced (e.g. with list(tensor))")
-            if keys:
-                why.append(f"a microbatch {' and '.join(keys)} (e.g. text-only) runs another graph")
-            # stacklevel: past this, build_workload and its gc_paused wrapper, to build_workload's caller
-            warnings.warn(f"dipc: {'; '.join(why)}: dipc captures the model once per distinct value or key set "
-                          "(about one torch.export each, 2-20 s) and caches it", stacklevel=4)
-        cap = self._capture(data)
-        if self.check and whole:
-            check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
-        annotate_modality(cap.graph, self.rules)
-        self._one_segment_labels(cap.graph)
-        apply_partition(cap.graph, self.partition)
-        place_checks(cap.graph, self.partition)
-        prog = self._program_from(cap)
-        self.programs.append(prog)
-        return prog
-
-    # ------------------------------------------------------------------ inspection
-    def chunk_latency(self, chunk: int) -> float:
-        """Estimated forward latency (seconds) of ``chunk`` on the example batch (the one cost interface the
-        runtime's planner uses; the calibrated cost model replaces it)."""
-        return node_latency(self.partition.chunks[chunk].cost)
-
     def chunk_params(self, chunk: int) -> list[str]:
         """Fully qualified names of the parameters chunk ``chunk`` reads (in the main capture)."""
         cm = self.program.chunks.get(chunk)
         if cm is None:
             return []
         return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
-
-    def tp_comm_seconds(self, prog: Program, chunk: int, bindings: Mapping) -> float:
-        """Seconds of the tensor-parallel all-reduces one forward (or one backward) of ``chunk`` pays at
-        ``bindings``: two per block (Megatron: after attention's output projection and after the MLP; the same two
-        in backward for the column-parallel inputs' gradients) of the chunk's residual stream, taken as its largest
-        floating-point input or output value, each a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
-        (:meth:`dipc.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
-        if self.tp_size == 1 or self.device is None:
-            return 0.0
-        cm = prog.chunks[chunk]
-        metas = list(cm.output_meta.values())
-        metas += [prog.chunks[i.src_chunk].output_meta[i.name] for i in cm.inputs
-                  if i.kind == "value" and i.src_chunk in prog.chunks and i.name in prog.chunks[i.src_chunk].output_meta]
-        payload = 0
-        for m in metas:
-            if m.dtype.is_floating_point:
-                n = m.dtype.itemsize
-                for d in m.concrete_shape(bindings):
-                    n *= d
-                payload = max(payload, n)
-        first, last = self.partition.chunks[chunk].blocks
-        return 2 * (last - first) * self.device.tp_allreduce_time(payload, self.tp_size)
 
     def to_torch_csv(self, plan) -> str:
         """``plan`` in torch.distributed.pipelining's compute-only CSV schedule format (one row per rank, actions
@@ -664,44 +268,6 @@ class CompiledPipeline:
         mod = {c.index: c.modality for c in self.partition.chunks}
         return list(nx.lexicographical_topological_sort(
             g, key=lambda c: (mod[c] == backbone, mods.index(mod[c]), c)))
-
-    def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
-        """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``
-        optimizer tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank
-        holding them), plus its buffers; divided by ``tp_size`` (each GPU of a stage holds 1/T of its weights).
-        A 16-bit parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus
-        an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
-        cache = self.__dict__.setdefault("_state_bytes", {})
-        if optimizer_states not in cache:
-            cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
-        return list(cache[optimizer_states])
-
-    def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
-        """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
-        tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
-        plus its buffers."""
-        out = []
-        for r in range(self.pp_size):
-            seen: dict[int, torch.Tensor] = {}
-            for c in self.partition.chunks:
-                cm = self.program.chunks.get(c.index)
-                if c.rank != r or cm is None:
-                    continue
-                for name in cm.state_names:
-                    t = self._state.get(name)
-                    if t is not None:
-                        seen[id(t)] = t
-            total = 0.0
-            for t in seen.values():
-                n = t.numel() * t.element_size()
-                if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
-                    total += n
-                elif t.element_size() < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master, states
-                    total += t.numel() * (t.element_size() + 4 * (2 + optimizer_states))
-                else:
-                    total += n * (2 + optimizer_states)
-            out.append(total / self.tp_size)
-        return out
 
     def tied_params(self) -> list[tuple[str, tuple[int, ...], int]]:
         """Parameters read by chunks on more than one rank (e.g. a tied input embedding / LM head): ``(name, ranks,
@@ -914,63 +480,8 @@ def _has_dropout(graph: torch.fx.Graph) -> bool:
     return False
 
 
-def _example_bytes(v) -> float:
-    """Bytes of a node's value at the trace's example sizes (symbolic dims at their hints; tuples summed)."""
-    if isinstance(v, (list, tuple)):
-        return sum(_example_bytes(x) for x in v)
-    if not isinstance(v, torch.Tensor):
-        return 0.0
-    n = 1
-    for d in v.shape:
-        hint = getattr(getattr(d, "node", None), "hint", None)
-        n *= int(hint) if hint is not None else (int(d) if not hasattr(d, "node") else 1)
-    return float(n * v.element_size())
-
-
 #: the share of device memory a rank's parameters, gradients and optimizer states may take under a time balance
 STATE_SHARE = 0.7
-
-
-def _state_weights(cap: Capture, model: torch.nn.Module, tp_size: int, optimizer_states: int = 2) -> dict[str, float]:
-    """Node name -> bytes per GPU of the parameters it is the first to read, with their gradients and
-    ``optimizer_states`` optimizer tensors as :meth:`CompiledPipeline.rank_state_bytes` counts them (a 16-bit
-    parameter: 2 + 4 x (2 + states) bytes, mixed precision), ÷ ``tp_size``."""
-    per: dict[str, float] = {}
-    for n in cap.graph.nodes:
-        kind, fqn = cap.state_targets.get(n.name, (None, None))
-        if n.op == "placeholder" and kind == "parameter":
-            v = n.meta.get("val")
-            if v is None:
-                continue
-            es = v.element_size()
-            b = v.numel() * (es + 4 * (2 + optimizer_states) if es < 4 else es * (2 + optimizer_states))
-            per[n.name] = b / tp_size
-    out: dict[str, float] = {}
-    for n in cap.graph.nodes:
-        if n.op == "call_function":
-            out[n.name] = sum(per.pop(a.name) for a in n.all_input_nodes if a.name in per)
-    return out
-
-
-def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:
-    """Node name -> parameter elements it is the first to read (each parameter counted once, at its first
-    consumer), so that a partition balanced by these weights splits the model by parameter count."""
-    sizes = {}
-    for n in cap.graph.nodes:
-        kind, fqn = cap.state_targets.get(n.name, (None, None))
-        if n.op == "placeholder" and kind == "parameter":
-            v = n.meta.get("val")
-            sizes[n.name] = float(v.numel()) if v is not None else 0.0
-    out: dict[str, float] = {}
-    for n in cap.graph.nodes:
-        if n.op != "call_function":
-            continue
-        w = 0.0
-        for a in n.all_input_nodes:
-            if a.name in sizes:
-                w += sizes.pop(a.name)
-        out[n.name] = w
-    return out
 
 
 def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,

@@ -1,0 +1,275 @@
+"""The cost side of a :class:`dipc.CompiledPipeline` (a mixin): DIP's rules for K_i and B_i (shared/PAPER.md §2.1),
+each chunk's symbolic cost compiled for the device profile and evaluated per shape (§2.6, memoised per (chunk,
+shape)), per-layer costs for recompute, tensor-parallel communication, and the static bytes per rank
+(parameters, gradients, optimizer states)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import sympy
+import torch
+import torch.fx
+
+from .capture import Capture
+from .passes.cost import node_latency
+from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
+from .passes.symcost import _Graph as _SymGraph
+from .program import Program, _bindings
+
+
+class CostingMixin:
+    """The compiled pipeline's costing methods (:mod:`dipc.costing`)."""
+
+    def _latency_f(self, c) -> sympy.Expr:
+        """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),
+        built once per node: the chunk and the per-block costs share it."""
+        memo = self.__dict__.setdefault("_latency_f_memo", {})
+        hit = memo.get(id(c))
+        if hit is None or hit[0] is not c:
+            T = self.tp_size
+            hit = memo[id(c)] = (c, self.device.op_latency_expr(c.family, c.flops_fwd / T,
+                                                                (c.bytes_read + c.bytes_written) / T))
+        return hit[1]
+
+    def _block_costs(self, prog: Program, chunk: int):
+        """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
+        recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
+        nodes save for the backward and ``i<j>`` the bytes of the values it reads from outside itself (what its
+        activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
+        all per GPU (÷ ``tp_size``), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
+        T = self.tp_size
+        nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
+        layers: list = []
+        for n in nodes:
+            if n.meta.get("dipc_layer") not in layers:
+                layers.append(n.meta.get("dipc_layer"))
+        ctx = _SymGraph(prog.capture.graph, prog.capture.input_keys)
+        stashed: set = set()  # storages already held by an earlier layer's checkpoint (one copy in memory)
+        exprs = {}
+        for j, v in enumerate(layers):
+            fs, acts, ins = [], [], []
+            for n in nodes:
+                if n.meta.get("dipc_layer") != v:
+                    continue
+                c = n.meta.get("dipc_symcost")
+                if c is not None:
+                    fs.append(self._latency_f(c))
+                    acts.append(c.activation_bytes / T)
+                for a in n.all_input_nodes:
+                    if a.op not in ("placeholder", "call_function") or (
+                            a.op == "call_function" and a.meta.get("dipc_chunk") == chunk
+                            and a.meta.get("dipc_layer") == v):
+                        continue
+                    key, nbytes, is_state = ctx.base(a)
+                    if not is_state and key not in stashed:
+                        stashed.add(key)
+                        ins.append(nbytes / T)
+            exprs[f"f{j}"] = sympy.Add(*fs)
+            exprs[f"a{j}"] = sympy.Add(*acts)
+            exprs[f"i{j}"] = sympy.Add(*ins)
+        return CompiledCost(exprs)
+
+    def _dip_rules(self, cap: Capture, instances, auto_b: set[str]):
+        """DIP §2.1 on the device profile: B_i = the smallest sub-microbatch size keeping >= 95% of module i's peak
+        efficiency (instances per second of its forward + backward, sizes 1..64), for instance modalities whose
+        B_i was not given; T_i = module i's latency at B_i (other modules: on the example batch), for K_i =
+        floor(T_i / T_1); and every node's forward + backward seconds at those sizes, by which the partition
+        balances blocks.  Returns (instances, module latency, node seconds)."""
+        annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
+        dev = self.device
+        T = self.tp_size
+        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T, (c.bytes_read + c.bytes_written) / T)
+                 + dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
+        by_mod: dict[str, list] = {}
+        for n in cap.graph.nodes:
+            if n.op == "call_function":
+                by_mod.setdefault(n.meta["dipc_modality"], []).append(n)
+        costs = {m: compile_costs(ns, extra=extra) for m, ns in by_mod.items()}
+        binds = _bindings(cap)
+        example = {}
+        ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
+        for sym, key, d in binds:
+            name = next(k for k, v in cap.input_keys.items() if v == key)
+            example[sym] = int(ph[name].meta["val"].shape[d].node.hint)
+        latency = {m: costs[m](example)["latency"] for m in costs}
+        at: dict[str, dict] = {}  # modality -> sizes its T_i is taken at (instance modalities: B_i instances)
+        out = []
+        for inst in instances:
+            sym = next((sym for sym, key, d in binds if key == inst.keys[0] and d == 0), None)
+            if sym is None or inst.modality not in costs:
+                self.rule_notes[inst.modality] = "instance count fixed by the model: B_i not derived"
+                out.append(inst)
+                continue
+            t = {b: costs[inst.modality]({**example, sym: b})["latency"] for b in range(1, 65)}
+            eff = {b: b / t[b] for b in t if t[b] > 0}
+            b_i = inst.sub_microbatch_size
+            if inst.modality in auto_b and eff:
+                peak = max(eff.values())
+                b_i = min(b for b, e in eff.items() if e >= 0.95 * peak)
+                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
+                inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
+            latency[inst.modality] = t.get(b_i, latency[inst.modality])
+            at[inst.modality] = {**example, sym: b_i}
+            out.append(inst)
+        node_seconds = {}
+        for m, ns in by_mod.items():
+            values = at.get(m, example)
+            for n in ns:
+                c = n.meta.get("dipc_symcost")
+                if c is not None:
+                    node_seconds[n.name] = float(extra["latency"](c).xreplace(values))
+        return out, latency, node_seconds
+
+    def _chunk_costs(self, cap: Capture) -> dict:
+        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6); with ``tp_size`` T
+        each operator's FLOPs and bytes are divided by T (Megatron's column/row split with sequence parallelism)
+        before the roofline, so small per-GPU matrices pay the profile's efficiency curve.  ``op_peak_bytes``: the
+        output bytes of the chunk's largest op (chosen at the example's sizes), a stage's transient memory."""
+        if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
+            annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
+        dev = self.device
+        T = self.tp_size
+        extra = {"latency_f": self._latency_f,
+                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
+        nodes: dict[int, list] = {}
+        for n in cap.graph.nodes:
+            if n.op == "call_function":
+                nodes.setdefault(n.meta["dipc_chunk"], []).append(n)
+        out = {}
+        for c, ns in nodes.items():
+            # the stage's transient: the largest single op output at the example's sizes (the trace's size
+            # hints), kept as its symbolic expression
+            biggest = None
+            for n in ns:
+                sc = n.meta.get("dipc_symcost")
+                if sc is None:
+                    continue
+                v = _example_bytes(n.meta.get("val"))
+                if biggest is None or v > biggest[0]:
+                    biggest = (v, sc)
+            pick = biggest[1] if biggest else None
+            out[c] = compile_costs(ns, extra={**extra, "op_peak_bytes": lambda sc, pick=pick: sc.bytes_written
+                                              if sc is pick else sympy.Integer(0)})
+        return out
+
+    # ------------------------------------------------------------------ inspection
+    def chunk_latency(self, chunk: int) -> float:
+        """Estimated forward latency (seconds) of ``chunk`` on the example batch (the one cost interface the
+        runtime's planner uses; the calibrated cost model replaces it)."""
+        return node_latency(self.partition.chunks[chunk].cost)
+
+    def tp_comm_seconds(self, prog: Program, chunk: int, bindings: Mapping) -> float:
+        """Seconds of the tensor-parallel all-reduces one forward (or one backward) of ``chunk`` pays at
+        ``bindings``: two per block (Megatron: after attention's output projection and after the MLP; the same two
+        in backward for the column-parallel inputs' gradients) of the chunk's residual stream, taken as its largest
+        floating-point input or output value, each a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
+        (:meth:`dipc.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
+        if self.tp_size == 1 or self.device is None:
+            return 0.0
+        cm = prog.chunks[chunk]
+        metas = list(cm.output_meta.values())
+        metas += [prog.chunks[i.src_chunk].output_meta[i.name] for i in cm.inputs
+                  if i.kind == "value" and i.src_chunk in prog.chunks and i.name in prog.chunks[i.src_chunk].output_meta]
+        payload = 0
+        for m in metas:
+            if m.dtype.is_floating_point:
+                n = m.dtype.itemsize
+                for d in m.concrete_shape(bindings):
+                    n *= d
+                payload = max(payload, n)
+        first, last = self.partition.chunks[chunk].blocks
+        return 2 * (last - first) * self.device.tp_allreduce_time(payload, self.tp_size)
+
+    def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+        """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``
+        optimizer tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank
+        holding them), plus its buffers; divided by ``tp_size`` (each GPU of a stage holds 1/T of its weights).
+        A 16-bit parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus
+        an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
+        cache = self.__dict__.setdefault("_state_bytes", {})
+        if optimizer_states not in cache:
+            cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
+        return list(cache[optimizer_states])
+
+    def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+        """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
+        tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
+        plus its buffers."""
+        out = []
+        for r in range(self.pp_size):
+            seen: dict[int, torch.Tensor] = {}
+            for c in self.partition.chunks:
+                cm = self.program.chunks.get(c.index)
+                if c.rank != r or cm is None:
+                    continue
+                for name in cm.state_names:
+                    t = self._state.get(name)
+                    if t is not None:
+                        seen[id(t)] = t
+            total = 0.0
+            for t in seen.values():
+                n = t.numel() * t.element_size()
+                if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+                    total += n
+                elif t.element_size() < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master, states
+                    total += t.numel() * (t.element_size() + 4 * (2 + optimizer_states))
+                else:
+                    total += n * (2 + optimizer_states)
+            out.append(total / self.tp_size)
+        return out
+
+
+def _example_bytes(v) -> float:
+    """Bytes of a node's value at the trace's example sizes (symbolic dims at their hints; tuples summed)."""
+    if isinstance(v, (list, tuple)):
+        return sum(_example_bytes(x) for x in v)
+    if not isinstance(v, torch.Tensor):
+        return 0.0
+    n = 1
+    for d in v.shape:
+        hint = getattr(getattr(d, "node", None), "hint", None)
+        n *= int(hint) if hint is not None else (int(d) if not hasattr(d, "node") else 1)
+    return float(n * v.element_size())
+
+
+def _state_weights(cap: Capture, model: torch.nn.Module, tp_size: int, optimizer_states: int = 2) -> dict[str, float]:
+    """Node name -> bytes per GPU of the parameters it is the first to read, with their gradients and
+    ``optimizer_states`` optimizer tensors as :meth:`CompiledPipeline.rank_state_bytes` counts them (a 16-bit
+    parameter: 2 + 4 x (2 + states) bytes, mixed precision), ÷ ``tp_size``."""
+    per: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        kind, fqn = cap.state_targets.get(n.name, (None, None))
+        if n.op == "placeholder" and kind == "parameter":
+            v = n.meta.get("val")
+            if v is None:
+                continue
+            es = v.element_size()
+            b = v.numel() * (es + 4 * (2 + optimizer_states) if es < 4 else es * (2 + optimizer_states))
+            per[n.name] = b / tp_size
+    out: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        if n.op == "call_function":
+            out[n.name] = sum(per.pop(a.name) for a in n.all_input_nodes if a.name in per)
+    return out
+
+
+def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:
+    """Node name -> parameter elements it is the first to read (each parameter counted once, at its first
+    consumer), so that a partition balanced by these weights splits the model by parameter count."""
+    sizes = {}
+    for n in cap.graph.nodes:
+        kind, fqn = cap.state_targets.get(n.name, (None, None))
+        if n.op == "placeholder" and kind == "parameter":
+            v = n.meta.get("val")
+            sizes[n.name] = float(v.numel()) if v is not None else 0.0
+    out: dict[str, float] = {}
+    for n in cap.graph.nodes:
+        if n.op != "call_function":
+            continue
+        w = 0.0
+        for a in n.all_input_nodes:
+            if a.name in sizes:
+                w += sizes.pop(a.name)
+        out[n.name] = w
+    return out
