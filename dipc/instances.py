@@ -1,7 +1,7 @@
 """Instances: how a modality's images, videos or clips belong to samples, and how they are cut with them.
 
 An instance belongs to one sample and may own several rows of several keys.  The layouts dipc reads
-(DESIGN.md "Instances"; one example each in the README):
+(DESIGN.md "Instances"; one example each in docs/user_guide.md):
 
 * **rows along dim 0, tied by placeholder tokens** (LLaVA, PaliGemma, Gemma3): ``pixel_values [N, 3, H, W]``;
   sample ``b`` owns the next ``count(input_ids[b] == token_id) / tokens_per_instance`` instances.  Tokens per

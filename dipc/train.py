@@ -110,7 +110,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"],
-                   help="the model to train (README: Main job options)")
+                   help="the model to train (docs/user_guide.md: Main job options)")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes) when not under torchrun")
     p.add_argument("--steps", type=int, default=30, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step")
