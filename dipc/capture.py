@@ -138,7 +138,8 @@ def _output_nodes(ep) -> dict[str, str]:
 
 
 def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
-            dynamic: Mapping[str, Mapping[int, Any]] | None = None, loss_key: str = "loss") -> Capture:
+            dynamic: Mapping[str, Mapping[int, Any]] | None = None, loss_key: str = "loss",
+            forward=None) -> Capture:
     """Export ``model(**batch)`` and prune the graph to the computation of the loss.
 
     Args:
@@ -148,6 +149,8 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
         dynamic: overrides of the dynamic dims, ``{key: {dim: Dim | Dim.AUTO | None}}``; ``None`` fixes a dim.
             Keys not given keep the default: every dim ``Dim.AUTO``.
         loss_key: name of the loss in a mapping output.
+        forward: traced in place of ``model.forward`` (a function of the batch's keys computing the same output:
+            a capture recipe, :mod:`dipc.recipes`); the parameters keep their names.
 
     Returns:
         a :class:`Capture`.
@@ -174,7 +177,7 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     for k, v in batch.items():  # Python values (lists, flags) are constants of the trace
         if not isinstance(v, torch.Tensor):
             export_dyn[k] = pytree.tree_map(lambda _: None, v)
-    with warnings.catch_warnings(), _checkpoints_traced_through(), _named_kwargs(model, batch):
+    with warnings.catch_warnings(), _checkpoints_traced_through(), _named_kwargs(model, batch, forward):
         warnings.simplefilter("ignore")
         try:
             ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
@@ -301,12 +304,25 @@ def python_values(batch: Mapping[str, Any]) -> tuple:
 
 
 @contextlib.contextmanager
-def _named_kwargs(model: torch.nn.Module, batch: Mapping[str, Any]):
+def _named_kwargs(model: torch.nn.Module, batch: Mapping[str, Any], recipe=None):
     """While tracing, give the model a forward whose signature names every batch key: torch.export matches
     ``dynamic_shapes`` to the forward's parameters and cannot match keys that land in ``**kwargs`` (Hugging Face's
-    ``num_items_in_batch``, custom ``forward(input_ids, labels, **kwargs)``; pytorch/pytorch#150022)."""
+    ``num_items_in_batch``, custom ``forward(input_ids, labels, **kwargs)``; pytorch/pytorch#150022).  With
+    ``recipe``, that forward runs the recipe instead of the model's own."""
     import inspect
 
+    if recipe is not None:
+        def run_recipe(**kwargs):
+            return recipe(**kwargs)
+
+        run_recipe.__signature__ = inspect.Signature([inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY)
+                                                      for k in batch])
+        model.forward = run_recipe
+        try:
+            yield
+        finally:
+            del model.forward
+        return
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

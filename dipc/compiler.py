@@ -82,6 +82,7 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin):
         self._build = build
         self._warned: set = set()
         self.static_keys = list(static_keys)
+        self.use_recipe = _recipe_agrees(model, example_batch, loss_key)
         cap = self._capture(example_batch, first=True)
         if self.check:
             check_capture(model, cap, example_batch, loss_key=loss_key)
@@ -419,6 +420,35 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin):
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
                                simulate_steps=simulate_steps, planner_cpus=planner_cpus)
+
+
+def _recipe_agrees(model: torch.nn.Module, batch: Mapping[str, Any], loss_key: str) -> bool:
+    """Whether to capture ``model`` through its recipe (:mod:`dipc.recipes`): one exists and, run eagerly on the
+    example batch (same random state), gives the model's own loss to the bit; a model on the meta device, which
+    cannot run, is taken through the recipe as its family is.  A recipe that differs is dropped with a warning."""
+    from .check import loss_of
+    from .recipes import recipe_for
+
+    recipe = recipe_for(model)
+    if recipe is None:
+        return False
+    if is_meta(model):
+        return True
+    outs = []
+    with torch.no_grad():
+        for fn in (model, recipe):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                try:
+                    outs.append(loss_of(fn(**batch), loss_key))
+                except Exception as e:  # noqa: BLE001 - the model's own forward is captured instead
+                    outs.append(e)
+    if all(isinstance(o, torch.Tensor) for o in outs) and torch.equal(outs[0], outs[1]):
+        return True
+    warnings.warn(f"dipc: the capture recipe of {type(model).__name__} does not reproduce its forward on the example "
+                  f"batch ({outs[0]!r} vs {outs[1]!r}); capturing the model's own forward (one capture per image "
+                  "count)", stacklevel=3)
+    return False
 
 
 def _sample_constants(spec: BatchSpec, static_keys: Sequence[str], example: Mapping[str, Any]) -> set[str]:

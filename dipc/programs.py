@@ -49,7 +49,8 @@ class ProgramCacheMixin:
 
     def _capture_plain(self, data: Mapping[str, Any], first: bool = False) -> Capture:
         try:
-            return capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
+            return capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key,
+                           forward=self._recipe())
         except CaptureError as e:
             if not first or self.static_keys or not _data_dependent(e):
                 raise
@@ -59,7 +60,8 @@ class ProgramCacheMixin:
                 raise
             self.static_keys = guess
             try:
-                cap = capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key)
+                cap = capture(self._tracer(), self._trace_data(data), dynamic=self.dynamic, loss_key=self.loss_key,
+                              forward=self._recipe())
             except CaptureError:
                 self.static_keys = []
                 raise e
@@ -67,6 +69,13 @@ class ProgramCacheMixin:
                           ".tolist()): they are static in its trace, re-captured per distinct value; pass "
                           "static_keys= to say so", stacklevel=4)
             return cap
+
+    def _recipe(self):
+        """The capture recipe of the traced module (:mod:`dipc.recipes`), when the compiler kept one."""
+        if not getattr(self, "use_recipe", False):
+            return None
+        from .recipes import recipe_for
+        return recipe_for(self._tracer())
 
     def _tracer(self) -> torch.nn.Module:
         """The module torch.export traces: the model, or after a runtime materialised its rank's part of a

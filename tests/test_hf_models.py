@@ -288,3 +288,28 @@ def test_tokens_per_image_are_read_from_each_familys_config():
     with pytest.raises(dipc.BatchError, match=r"vision_config.image_size=\[16, 32\] with patch_size=\[4, 4\] gives "
                                               r"a 4x8 patch grid"):
         internvl([16, 32], [4, 4])
+
+
+def test_hf_llava_one_capture_serves_every_image_count():
+    """Issue 35 §2 for Hugging Face LLaVA: traced through its capture recipe (``dipc.recipes``: the vision tower on
+    all images at once, dipc's merge), the image count stays symbolic, so microbatches of 1 to 6 images (and their
+    sub-microbatches) run one capture, text-only microbatches a second; every step equals the unsplit model."""
+    import pipeline_cases as pc
+    import torch
+
+    import dipc
+    from dipc.testing import local_check
+
+    torch.manual_seed(0)
+    model = pc.llava()
+    batches = pc.llava_batches_mixed()
+    c = dipc.compile(model, batches[1], 2, sub_microbatch_size={"vision": 2}, check=False)
+    assert c.use_recipe and ("pixel_values", 0) not in c.specialized
+    vc = model.config.vision_config
+    tpi, size = (vc.image_size // vc.patch_size) ** 2, vc.image_size
+    seen = set()
+    for counts in ([0, 0, 1, 2], [3, 1, 0, 2], [2, 2, 2, 0], [1, 0, 0, 0]):
+        b = pc.vlm_batch(counts, tpi * max(counts) + 6, sum(counts), tpi, model.config.image_token_id, size)
+        local_check(model, c, b, 2)
+        seen.update(sum(counts[i:i + 2]) for i in (0, 2))
+    assert len(seen) >= 4 and len(c.programs) <= 2, (sorted(seen), len(c.programs))

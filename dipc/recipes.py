@@ -1,0 +1,54 @@
+"""Capture recipes: the same loss as a Hugging Face model's forward, written so that one ``torch.export`` trace
+serves every image count (issue "Capture once"; DESIGN.md "Capture once").
+
+Hugging Face LLaVA's ``get_image_features`` ends in ``list(image_features)``: a Python list of one tensor per image,
+which fixes the image count in the trace, so dipc used to capture the model again for every new count.  A recipe
+computes the model's loss from its own modules with dipc's merge as the glue: the vision tower and the projector on
+all images at once (``[N, T, D]``, N symbolic), the features flattened into the placeholder positions of the text
+embeddings (``masked_scatter`` reads its source in order, so ``[N*T, D]`` fills the same positions as the model's
+``torch.cat`` of its per-image list), and the model's own forward from ``inputs_embeds`` on.  Parameters keep their
+names (the recipe runs as the model's forward while it is traced).
+
+:func:`recipe_for` returns one for the families it knows and ``None`` for the rest (captured through their own
+forward).  The compiler checks a recipe against the model's forward on the example batch before using it
+(:meth:`dipc.CompiledPipeline`), and drops it, with a warning, where they differ.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["recipe_for"]
+
+
+def recipe_for(model: torch.nn.Module) -> Callable | None:
+    """A forward computing ``model``'s output from the batch's keyword arguments whose trace keeps the image count
+    symbolic, or ``None`` (no recipe for this model's family).  Known: ``LlavaForConditionalGeneration``
+    (``model_type == "llava"``, one vision feature layer or several)."""
+    cfg = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    if getattr(cfg, "model_type", None) != "llava" or inner is None:
+        return None
+    needed = ("vision_tower", "multi_modal_projector", "get_placeholder_mask", "get_input_embeddings")
+    if not all(hasattr(inner, n) for n in needed):
+        return None
+    own_forward = model.forward  # the bound method: the recipe runs in its place while traced
+
+    def llava_forward(input_ids=None, pixel_values=None, labels=None, **rest):
+        if pixel_values is None or rest.get("image_sizes") is not None:  # text only, or per-image splits: as is
+            return own_forward(input_ids=input_ids, pixel_values=pixel_values, labels=labels, **rest)
+        embeds = inner.get_input_embeddings()(input_ids)
+        layer = cfg.vision_feature_layer
+        strategy = cfg.vision_feature_select_strategy
+        hidden = inner.vision_tower(pixel_values, output_hidden_states=True, return_dict=True).hidden_states
+        picked = [hidden[i] for i in ([layer] if isinstance(layer, int) else layer)]
+        if strategy == "default":  # the CLS token of each layer's output is dropped
+            picked = [h[:, 1:] for h in picked]
+        feats = inner.multi_modal_projector(picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1))
+        feats = feats.reshape(-1, feats.shape[-1]).to(embeds.device, embeds.dtype)  # [N*T, D]
+        mask = inner.get_placeholder_mask(input_ids, inputs_embeds=embeds, image_features=feats)
+        embeds = embeds.masked_scatter(mask, feats)
+        return own_forward(inputs_embeds=embeds, labels=labels, **rest)
+
+    return llava_forward
