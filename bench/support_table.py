@@ -20,7 +20,8 @@ RESULTS = os.path.join(ROOT, "docs", "hf_support.json")
 #: test name -> (family, class, what the test exercises)
 FAMILIES = {
     "llava": ("LLaVA", "transformers LlavaForConditionalGeneration",
-              "image count fixed at export (re-captured per count), sub-microbatches of 1 image"),
+              "list(image_features) fixes the image count in a plain trace: captured through dipc's recipe (one "
+              "capture for every image count, one for text-only microbatches), sub-microbatches of 1 image"),
     "llava_next": ("LLaVA-NeXT", "transformers LlavaNextForConditionalGeneration",
                    "image_sizes read with .tolist() (static values, re-captured per value); tokens per image follow "
                    "each image's size (declared with Instances(tokens_per_instance=fn))"),
