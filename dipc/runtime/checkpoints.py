@@ -208,7 +208,10 @@ class CheckpointsMixin:
     def _write_checksums(self, checkpoint_id) -> None:
         """After a DCP save: each rank hashes the shard files it wrote (``__<rank>_*.distcp``, BLAKE2b) and rank 0
         writes them all to ``dipc_checksums.json`` in the checkpoint (JSON), which :meth:`load_checkpoint`
-        checks (a collective over the pipeline's ranks)."""
+        checks (a collective over the pipeline's ranks; every rank returns once the file is written).
+
+        Raises:
+            OSError: rank 0 could not write the file (on every rank)."""
         import glob
         import os
 
@@ -217,10 +220,21 @@ class CheckpointsMixin:
         mine = {os.path.basename(f): _file_digest(f) for f in
                 sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{self.rank}_*.distcp")))}
         every = all_gather_json(mine, self.group, self.device, self.timeout, "every rank's shard checksums")
+        error = None
         if self.rank == 0:
             table = {k: v for part in every for k, v in part.items()}
-            with open(os.path.join(str(checkpoint_id), CHECKSUMS), "w") as f:
-                json.dump({"blake2b": table}, f, indent=0, sort_keys=True)
+            try:
+                with open(os.path.join(str(checkpoint_id), CHECKSUMS), "w") as f:
+                    json.dump({"blake2b": table}, f, indent=0, sort_keys=True)
+            except OSError as e:
+                error = e
+        # no rank returns before the table is written (a rank that reads the checkpoint at once, or exits and tears
+        # its process group down while rank 0 still writes, sees it whole)
+        failed = self._ranks_failing(error is not None, f"rank 0's write of {CHECKSUMS}")
+        if error is not None:
+            raise error
+        if failed:
+            raise OSError(f"rank 0 could not write {CHECKSUMS} in the checkpoint {checkpoint_id!r} (its error says why)")
 
     def _bad_shards(self, checkpoint_id) -> list[str]:
         """The shard files of a checkpoint whose BLAKE2b differs from ``dipc_checksums.json``, that are gone, or
