@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .wire import MIN_TIMEOUT
+
 __all__ = ["spawn", "pin_rank", "check_cpus", "free_port", "init_from_env", "SpawnError"]
 
 
@@ -190,9 +192,9 @@ def spawn(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, time
     """
     if not isinstance(pin_cpus, bool):
         raise ValueError(f"pin_cpus must be a bool, got {pin_cpus!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 1 <= timeout < float("inf"):
-        raise ValueError(f"timeout must be a finite number of seconds >= 1, got {timeout!r} (it is also the process "
-                         "group's collective timeout)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not MIN_TIMEOUT <= timeout < float("inf"):
+        raise ValueError(f"timeout must be a finite number of seconds >= {MIN_TIMEOUT:g}, got {timeout!r} (it is also "
+                         "the process group's collective timeout)")
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
     try:

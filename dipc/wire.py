@@ -19,6 +19,11 @@ import torch.distributed as dist
 __all__ = ["WireTimeout", "broadcast_json", "all_gather_json", "encode_json", "decode_json", "sum_over_ranks"]
 
 
+#: the shortest timeout a distributed wait of dipc takes (a runtime's ``timeout``, ``dipc.launch.spawn``'s), seconds:
+#: a shorter one times out on a healthy pipeline, and a timed-out wait leaves the process group unusable
+MIN_TIMEOUT = 1.0
+
+
 class WireTimeout(RuntimeError):
     """A collective of :mod:`dipc.wire` did not complete within its timeout (the message names what it waited
     for, from which rank, and the timeout in seconds)."""

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..capture import is_meta
 from ..plan import Plan
-from ..wire import sum_over_ranks
+from ..wire import MIN_TIMEOUT, sum_over_ranks
 
 from .transport import _DistTransport, TransportError
 from ..planner.workload import split_for
@@ -32,8 +32,6 @@ from .report import StepReport
 
 log = logging.getLogger("dipc")
 
-#: the shortest ``timeout`` a runtime takes, seconds
-MIN_TIMEOUT = 1.0
 
 
 class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, DataParallelMixin):
