@@ -3,7 +3,7 @@
     python bench/paper.py [--out docs/benchmarks.md] [--models VLM-S,VLM-M,VLM-L,T2V-S,T2V-L] [--microbatches 16,32,64]
                           [--quick]
 
-What it does (shared/PAPER.md §3; issue 8 scope 7), all on the H800 profile (``dipc/profiles/h800.json``: datasheet
+What it does (shared/PAPER.md §3; issue 8 scope 7), all on the H800 profile (``dipc/sim/profiles/h800.json``: datasheet
 rates, the paper-fitted small-matrix efficiency curve, 80 GB):
 
 * builds each model of Table 3 on the meta device in bf16 (no weight is materialised) and compiles it for the

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from dipc.planner.memory import optimize_memory
     from dipc.planner.planning import activation_budget
     from dipc.runtime import build_workload, make_plan, split_for
-    from dipc.simulate import simulate_workload
+    from dipc.sim.simulate import simulate_workload
 
     rows, searched = [], []
     for name in args.models.split(","):

@@ -72,7 +72,7 @@ def _compile(case, world, prof):
 
 def _fit(rank, world, profile_json, case, steps):
     from dipc.calibrate import fit_pipeline_overheads
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     compiled = _compile(case, world, DeviceProfile.from_json(profile_json))
     pipe = compiled.runtime(n_microbatches=case[7])
     return fit_pipeline_overheads(pipe, _batch(case[4], case[5], 2), steps=steps).to_json()
@@ -80,7 +80,7 @@ def _fit(rank, world, profile_json, case, steps):
 
 def _run(rank, world, profile_json, case, steps):
     import dipc
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     # re-fit the executor on the calibration pipeline right before the case: this machine's speed drifts by up to
     # 2x over minutes (other tenants), so a fit made earlier would measure another machine
     profile_json = _fit(rank, world, profile_json, CALIBRATION, steps)
@@ -112,7 +112,7 @@ def main(argv=None):
     p.add_argument("--out", default="docs/bench_sim_accuracy.md")
     args = p.parse_args(argv)
     from dipc.calibrate import calibrate
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     from dipc.launch import spawn
     t = time.perf_counter()
     cal = calibrate("cpu", quick=args.quick_calibration, verbose=False)

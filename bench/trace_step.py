@@ -22,10 +22,10 @@ def _measure(rank, world, out, profile_json):
     import torch
     import dipc
     from dipc.calibrate import fit_pipeline_overheads
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     from dipc.models import ReferenceVLM, VLMConfig
     from dipc.models.data import vlm_batches
-    from dipc.trace import gantt_png, write_chrome_trace
+    from dipc.sim.trace import gantt_png, write_chrome_trace
     torch.manual_seed(0)
     cfg = VLMConfig.tiny()
     batches = list(vlm_batches(cfg, 3, 4, 1, max_seq=48))

@@ -9,12 +9,12 @@ from .compiler import CompiledPipeline, Program, compile
 from .plan import Action, Plan, PlanError, TensorSpec, validate
 from .passes.partition import PartitionError
 from . import launch
-from .simulate import simulate_plan, SimResult  # the module first: the name dipc.simulate is the function below
+from .sim import DeviceProfile, SimResult, simulate_plan
 from .api import simulate
 from .codegen.templates import schedules
 from .runtime import StepReport, prefetch
 
 __all__ = ["compile", "CompiledPipeline", "Program", "Instances", "LossReduction", "BatchError", "CaptureError",
-           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate", "simulate_plan", "SimResult",
-           "schedules", "prefetch", "StepReport"]
+           "PartitionError", "Plan", "Action", "TensorSpec", "PlanError", "validate", "launch", "simulate",
+           "simulate_plan", "SimResult", "DeviceProfile", "schedules", "prefetch", "StepReport"]
 __version__ = "0.1.0"

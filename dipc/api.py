@@ -8,7 +8,7 @@ from __future__ import annotations
 from .plan import Plan
 from .planner.planning import make_plan
 from .planner.workload import build_workload, set_recompute, split_for
-from .simulate import SimResult, simulate_workload
+from .sim.simulate import SimResult, simulate_workload
 
 __all__ = ["simulate"]
 
@@ -26,11 +26,11 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     ``optimizer_states`` optimizer tensors per parameter, buffers), so ``peak_memory`` adds live activations to it.
 
     With a device profile the step also pays what the runtime does around the plan: posting each SEND/RECV action
-    (:meth:`dipc.device.DeviceProfile.post_time`), a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
+    (:meth:`dipc.sim.device.DeviceProfile.post_time`), a transfer starts only once its receive is posted (plus ``p2p_latency`` for the ready
     notice, as gloo and NCCL move data when both sides are posted), and after the last action the profile's
     ``step_overhead``, the exchange of each tied parameter's gradient among its k ranks (each sends it to the k - 1
     others: :func:`dipc.wire.sum_over_ranks`; :meth:`dipc.CompiledPipeline.tied_params`) and the loss all-reduce over the pipeline
-    (:meth:`dipc.device.DeviceProfile.allreduce_time`).
+    (:meth:`dipc.sim.device.DeviceProfile.allreduce_time`).
 
     ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
     plan keeps each rank's static bytes (with ``optimizer_states``, as ``static_bytes`` defaults to) plus live

@@ -546,7 +546,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             its ignore index and shift; a summed one "sum"; anything else a mean over samples).
         dynamic: per key ``{dim: Dim | None}`` overriding the dynamic dims (``None`` fixes a dim).
         loss_key: key of the loss in a mapping output.
-        device: a :class:`dipc.device.DeviceProfile` or a profile name ("h100", "cpu" after
+        device: a :class:`dipc.sim.device.DeviceProfile` or a profile name ("h100", "cpu" after
             ``python -m dipc.calibrate``, ...): stage latencies and activation memory then come from the symbolic
             cost model (:mod:`dipc.passes.symcost`) on that device, evaluated per (chunk, shape); without it the
             planner uses the first, nominal estimate.
@@ -627,7 +627,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     if isinstance(loss, str) and loss not in ("token_mean", "sample_mean", "sum"):
         raise ValueError(f"loss must be 'token_mean', 'sample_mean', 'sum' or a dipc.LossReduction, got {loss!r}")
     if isinstance(device, str):
-        from .device import DeviceProfile
+        from .sim.device import DeviceProfile
         device = DeviceProfile.load(device)
     compiled = CompiledPipeline(model, example_batch, pp_size, modalities=modalities,
                                 chunks_per_rank=chunks_per_rank, instances=instances, loss=loss, dynamic=dynamic,

@@ -164,7 +164,7 @@ class CostingMixin:
         ``bindings``: two per block (Megatron: after attention's output projection and after the MLP; the same two
         in backward for the column-parallel inputs' gradients) of the chunk's residual stream, taken as its largest
         floating-point input or output value, each a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
-        (:meth:`dipc.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
+        (:meth:`dipc.sim.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
         if self.tp_size == 1 or self.device is None:
             return 0.0
         cm = prog.chunks[chunk]

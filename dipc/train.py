@@ -84,7 +84,7 @@ def _run(rank: int, world: int, args) -> list:
         if args.report is not None and step == args.report:
             events = pipe.trace_events()  # a collective: every rank
             if rank == 0:
-                from dipc.trace import gantt_png, write_chrome_trace
+                from dipc.sim.trace import gantt_png, write_chrome_trace
                 os.makedirs(args.report_dir, exist_ok=True)
                 base = os.path.join(args.report_dir, f"step{step}")
                 write_chrome_trace(events, base + ".json", f"{args.model} step {step}")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dipc
-from dipc.device import DeviceProfile
+from dipc.sim.device import DeviceProfile
 from dipc.runtime import build_workload, split_for
 from dipc.planner.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
 

@@ -1,4 +1,4 @@
-"""Device profiles (dipc.device) and the calibration command (dipc.calibrate): DIP §2.6's roofline cost model."""
+"""Device profiles (dipc.sim.device) and the calibration command (dipc.calibrate): DIP §2.6's roofline cost model."""
 import json
 import math
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dipc.calibrate import calibrate, fit_alpha, main
-from dipc.device import COMPUTE_FAMILIES, FAMILIES, DeviceProfile, available_profiles, op_name, shipped_profiles
+from dipc.sim.device import COMPUTE_FAMILIES, FAMILIES, DeviceProfile, available_profiles, op_name, shipped_profiles
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 import dipc
 from dipc.plan import PlanError, validate
 from dipc.planner.schedule import list_schedule, lower
-from dipc.simulate import simulate_plan
+from dipc.sim.simulate import simulate_plan
 
 import pipeline_cases as pc
 from stage_graphs import vlm_graph

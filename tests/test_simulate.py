@@ -6,8 +6,8 @@ import pytest
 from dipc.plan import PlanError
 from dipc.stages import Schedule
 from dipc.planner.schedule import lower
-from dipc.simulate import simulate_plan
-from dipc.trace import chrome_trace, gantt_png
+from dipc.sim.simulate import simulate_plan
+from dipc.sim.trace import chrome_trace, gantt_png
 
 from stage_graphs import chain_graph, gpipe_order, one_f_one_b_order
 
@@ -93,7 +93,7 @@ def test_dip_rule_for_b_i_and_k_i_on_a_device_profile():
     import dataclasses
     import torch
     import dipc
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     import pipeline_cases as pc
     base = dataclasses.replace(DeviceProfile.load("h100"), matmul_half_flops=0.0)  # the datasheet roofline alone
     got = {}
@@ -196,7 +196,7 @@ def test_fit_pipeline_overheads_on_two_ranks():
     from dipc.launch import spawn
     profiles = spawn(_fit_worker, 2, timeout=240)
     assert profiles[0] == profiles[1], "ranks fitted different profiles"
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     p = DeviceProfile.from_json(profiles[0])
     fit = p.meta["pipeline_fit"]
     assert 0.5 <= fit["contention_scale"] <= 4.0 and fit["stages"] > 0 and fit["p2p_actions"] > 0
@@ -209,7 +209,7 @@ def _fit_worker(rank, world):
     import torch
     import dipc
     from dipc.calibrate import fit_pipeline_overheads
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     import pipeline_cases as pc
     torch.manual_seed(0)
     base = DeviceProfile(name="cpu-test", peak_flops=5e10, mem_bandwidth=1e10, p2p_bandwidth=2e9, p2p_latency=5e-5,
@@ -241,7 +241,7 @@ def test_bubble_causes_add_up_and_the_report_names_them():
     """The plan report (issue 9 scope 5): per rank busy + posting + fill + waits + drain = the iteration time; 1F1B
     on a uniform chain has no wait on rank 0's critical stretch but fill on the last ranks; the report lists them."""
     from dipc.planner.schedule import lower, timed_schedule
-    from dipc.simulate import simulate_plan
+    from dipc.sim.simulate import simulate_plan
     from stage_graphs import chain_graph, one_f_one_b_order
 
     g = chain_graph(4, 8)

@@ -10,7 +10,7 @@ import dipc
 from dipc.codegen.templates import TEMPLATES, fixed_order, schedules
 from dipc.plan import PlanError, validate
 from dipc.planner.schedule import fit_by_recompute, lower, order_peaks, timed_schedule
-from dipc.simulate import simulate_plan
+from dipc.sim.simulate import simulate_plan
 from dipc.testing import local_check
 
 import pipeline_cases as pc
@@ -201,7 +201,7 @@ def test_bad_limits_and_schedules_are_refused_before_planning(vlm2):
 
 
 def test_the_plan_and_the_simulator_count_the_same_optimizer_states():
-    from dipc.device import DeviceProfile
+    from dipc.sim.device import DeviceProfile
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)
     c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, device=DeviceProfile.load("h100"),

@@ -93,7 +93,7 @@ def decode_batch(frame: bytes) -> tuple[dict, dict]:
 
 def _summary(compiled, w, plan, static_bytes) -> dict:
     """The simulated step of ``plan`` as the step report shows it (JSON)."""
-    from ..simulate import simulate_workload
+    from ..sim.simulate import simulate_workload
     from .planning import with_plan_strategies
 
     res = simulate_workload(compiled, with_plan_strategies(w, plan), plan, static_bytes=static_bytes)

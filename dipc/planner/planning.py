@@ -181,7 +181,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
 
     def over_limit(sched) -> list[float]:
         """Per rank, bytes the simulated plan (transients and buffers timed) is over its limit."""
-        from ..simulate import simulate_workload
+        from ..sim.simulate import simulate_workload
 
         res = simulate_workload(compiled, workload, lower(graph, sched, chunk_ranks, step=step),
                                 static_bytes=static)

@@ -325,7 +325,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
 
     # -- step
     def trace_events(self) -> list[dict]:
-        """Every rank's measured actions of the last step, as trace events for :mod:`dipc.trace` (a collective:
+        """Every rank's measured actions of the last step, as trace events for :mod:`dipc.sim.trace` (a collective:
         call it on every rank; JSON on the wire).  Times are seconds from each rank's start of execution (after
         plan delivery)."""
         from ..wire import all_gather_json

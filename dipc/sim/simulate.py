@@ -28,9 +28,9 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from .plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_keys
+from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_keys
 
-__all__ = ["SimResult", "simulate_plan", "simulate", "simulate_workload"]
+__all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds"]
 
 
 @dataclasses.dataclass

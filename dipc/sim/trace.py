@@ -1,7 +1,7 @@
 """Pictures of a step: Chrome/Perfetto trace JSON and a Gantt chart PNG, for simulated and measured runs.
 
 Both writers take the same events: dicts ``{"rank", "start", "end", "name", "kind", "modality"}`` with times in
-seconds; :meth:`dipc.simulate.SimResult.events` makes them from a simulation and
+seconds; :meth:`dipc.sim.simulate.SimResult.events` makes them from a simulation and
 :meth:`dipc.runtime.PipelineRuntime.trace_events` from a measured step (every rank's executor records each
 action's start and end).
 

@@ -26,7 +26,7 @@ Conventions (the calibration measures with the same ones, so a cost pass should 
 * bytes = bytes of the operator's tensor inputs plus its outputs, except ``embedding``: indices + gathered rows
   read + output written (``2 * out_bytes + index_bytes``), not the whole table.
 
-Shipped profiles (``dipc/profiles/*.json``, loaded by name with :meth:`DeviceProfile.load`) come from NVIDIA
+Shipped profiles (``dipc/sim/profiles/*.json``, loaded by name with :meth:`DeviceProfile.load`) come from NVIDIA
 datasheets and are marked ``calibrated: false``; calibrated profiles written by ``python -m dipc.calibrate`` go to
 :func:`user_profile_dir` and take precedence over shipped ones of the same name.
 """
@@ -71,7 +71,7 @@ def user_profile_dir() -> Path:
 
 
 def shipped_profiles() -> list[str]:
-    """Names of the datasheet profiles that ship with dipc (``dipc/profiles/*.json``)."""
+    """Names of the datasheet profiles that ship with dipc (``dipc/sim/profiles/*.json``)."""
     return sorted(p.stem for p in _SHIPPED_DIR.glob("*.json"))
 
 
