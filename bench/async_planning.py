@@ -11,7 +11,7 @@ rank runs the same batches (generated as the main job's, :mod:`dipc.models.data`
 the precomputed one always), interleaved in rounds, in an order drawn per round, so that the machine's drift hits
 all alike:
 
-* ``precomputed``: every batch's plan made before the loop (:func:`dipc.runtime.make_plan`, validated) and handed
+* ``precomputed``: every batch's plan made before the loop (:func:`dipc.planner.make_plan`, validated) and handed
   to ``pipe.step(batch, plan=...)``: no planning on the step's path.  Each step gets its own plan object, read
   back from the plan's JSON text before the step's clock starts, as in a run with a plan made ahead for each of
   its batches: the same Python objects handed over every round (the bench repeats its batches) ran about 1%
@@ -59,7 +59,7 @@ def _rank(rank, world, model_name, n_batches, batch_size, n_mb, rounds, modes):
 
     import dipc
     from dipc.plan import Plan
-    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner import build_workload, make_plan, split_for
     from dipc.train import build
     from dipc.wire import all_gather_json
 
@@ -131,7 +131,7 @@ def _handover_planner(compiled, steps, texts, n_mb):
     import os
 
     from dipc.planner.background import BackgroundPlanner, decode_batch, encode_batch
-    from dipc.runtime import build_workload, split_for, step_digest
+    from dipc.planner import build_workload, split_for, step_digest
     from dipc.wire import encode_json
 
     def key(batch):

@@ -7,7 +7,7 @@ For each setup (compiled on meta as ``bench/paper.py`` does: the paper's PP/TP o
 microbatch count, one batch of the paper's mixed image-text distribution is planned with DIP under the 80 GB limit
 (``schedule="dip"``, ``budget_s=0``: the interleaver and the per-rank memory ILP, no search), timing each part of
 the per-batch path on one core: the split into microbatches and sub-microbatches, the step's stage graph
-(:func:`dipc.runtime.build_workload`), scheduling + memory optimisation + lowering (:func:`dipc.runtime.make_plan`
+(:func:`dipc.planner.build_workload`), scheduling + memory optimisation + lowering (:func:`dipc.planner.make_plan`
 with ``check=False``), and :func:`dipc.plan.validate`.  The stage count shows how the work grows.  One untimed
 plan per setup comes first: a process's one-time costs (imports, HiGHS, caches; ~0.6 s at VLM-L) are paid once
 per background planner, not per batch; as there, the compiled pipeline is frozen out of the garbage
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from dipc.plan import stage_key
     from dipc.planner.memory import optimize_memory
     from dipc.planner.planning import activation_budget
-    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner import build_workload, make_plan, split_for
     from dipc.sim.simulate import simulate_workload
 
     rows, searched = [], []

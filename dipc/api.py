@@ -34,7 +34,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
 
     ``memory_limit``: bytes per device (default: the device profile's ``memory_capacity``; none without it); the
     plan keeps each rank's static bytes (with ``optimizer_states``, as ``static_bytes`` defaults to) plus live
-    activations under it (:func:`dipc.runtime.activation_budget`).
+    activations under it (:func:`dipc.planner.activation_budget`).
 
     ``recompute``: the stages that recompute their forward in their backward (``True``: all; a predicate on the
     forward :class:`dipc.stages.Stage`): they keep only their inputs and their backward costs the forward again.
@@ -46,7 +46,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
     alone), deterministic under ``seed`` when the budget does not cut it; ``memory_opt``: "ilp" (DIP's per-rank
     memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks); ``search_workers``:
     processes scoring the search's rollouts in parallel (capped at half the host's cores).  See
-    :func:`dipc.runtime.make_plan`.
+    :func:`dipc.planner.make_plan`.
 
     Returns:
         ``(result, plan)``; ``plan.simulated["search"]`` holds the search's progress when ``budget_s`` > 0.

@@ -49,6 +49,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .plan import forward_key
 from .sim.device import DeviceProfile, user_profile_dir
 from .sim.microbench import (Bench, Calibration, accuracies, accuracy_table, benchmarks, cpu_name, fit_alpha,
                              fit_profile, gpu_profile_name, l2_bytes, timeit)
@@ -382,7 +383,7 @@ def fit_pipeline_overheads(pipe, batch, *, steps: int = 4, n_microbatches: int |
                 if a.kind in ("SEND_F", "SEND_B", "RECV_F", "RECV_B"):
                     post.append((sum(t.nbytes for t in a.tensors), e - s))
                     continue
-                n_ops = w.programs["F" + a.stage[1:]].chunks[a.chunk].n_nodes
+                n_ops = w.programs[forward_key(a.stage)].chunks[a.chunk].n_nodes
                 backward = a.kind == "B"
                 roofline = w.graph.stages[a.stage].latency - n_ops * prof.overhead(backward)
                 shape[a.stage] = (roofline, n_ops, backward)

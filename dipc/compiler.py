@@ -40,8 +40,8 @@ ONE_SEGMENT = "model"
 
 
 def _rule_hit(node, rules) -> bool:
-    from .passes.modality import _rule_modality
-    return _rule_modality(module_path(node), rules, True) is not None
+    from .passes.modality import rule_modality
+    return rule_modality(module_path(node), rules, True) is not None
 
 
 class CompiledPipeline(ProgramCacheMixin, CostingMixin):

@@ -24,10 +24,11 @@ import dataclasses
 import hashlib
 import json
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NewType
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "validate", "check_types", "dry_run", "replay",
-           "stage_key", "stage_keys", "recomputed_blocks", "recompute_layout", "forward_only"]
+           "StageKey", "stage_key", "backward_key", "forward_key", "paired_key", "parse_stage_key", "stage_keys",
+           "recomputed_blocks", "recompute_layout", "forward_only"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -98,9 +99,45 @@ def recomputed_blocks(strategy: str) -> int | None:
     return None if layout is None else layout[0]
 
 
-def stage_key(kind: str, chunk: int, mb: int, sub: int) -> str:
+#: The key of a compute stage: ``"<kind>:<chunk>:<microbatch>:<sub-microbatch>"``, e.g. ``"F:3:1:-1"`` (the forward
+#: of chunk 3 on microbatch 1, whole microbatch: sub -1).  Keys stay plain interned strings (a planner at VLM-L scale
+#: looks up millions per second); build and take them apart only with the functions below.
+StageKey = NewType("StageKey", str)
+
+
+def stage_key(kind: str, chunk: int, mb: int, sub: int) -> StageKey:
     """Key of a compute stage, e.g. ``F:3:1:-1`` (sub -1 = the whole microbatch)."""
-    return f"{kind}:{chunk}:{mb}:{sub}"
+    return StageKey(f"{kind}:{chunk}:{mb}:{sub}")
+
+
+def backward_key(key: str) -> StageKey:
+    """The key of the backward paired with stage ``key`` (``F:3:1:-1`` -> ``B:3:1:-1``; a backward's own key)."""
+    return StageKey("B" + key[1:])
+
+
+def forward_key(key: str) -> StageKey:
+    """The key of the forward paired with stage ``key`` (``B:3:1:-1`` -> ``F:3:1:-1``; a forward's own key)."""
+    return StageKey("F" + key[1:])
+
+
+def paired_key(key: str) -> StageKey:
+    """The other stage of ``key``'s forward-backward pair."""
+    return StageKey(("B" if key[0] == "F" else "F") + key[1:])
+
+
+def parse_stage_key(key: str) -> tuple[str, int, int, int]:
+    """``(kind, chunk, mb, sub)`` of a stage key.
+
+    Raises:
+        ValueError: ``key`` is not ``"<F|B>:<int>:<int>:<int>"``.
+    """
+    parts = key.split(":")
+    if len(parts) != 4 or parts[0] not in ("F", "B"):
+        raise ValueError(f"not a stage key: {key!r} (expected 'F:chunk:mb:sub' or 'B:chunk:mb:sub')")
+    try:
+        return parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+    except ValueError:
+        raise ValueError(f"not a stage key: {key!r} (chunk, microbatch and sub-microbatch must be integers)") from None
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -191,7 +228,7 @@ class Plan:
         microbatches: per microbatch, its metadata (instances, sub-microbatch ranges, loss weight, shapes).
         simulated: optional figures from the planner: ``iteration_time`` (the scheduler's estimate, seconds),
             ``schedule``, ``plans_tried``, ``recomputed``, ``recomputed_partly`` and, after a search, ``search``
-            (:func:`dipc.runtime.make_plan`).  Per-stage times are the simulator's (:func:`dipc.simulate`): the plan
+            (:func:`dipc.planner.make_plan`).  Per-stage times are the simulator's (:func:`dipc.simulate`): the plan
             that travels to every rank holds what the ranks need.
         forward_only: an evaluation plan (:func:`forward_only`): forwards and their activation messages only, no
             backward, nothing kept for one.
@@ -503,8 +540,8 @@ def validate(plan: Plan, types: bool = True) -> list[tuple[int, int]]:
                 lay = layouts[a.strategy] = recompute_layout(a.strategy)
             except PlanError as e:
                 raise PlanError(f"{a.kind} of chunk {a.chunk}, microbatch {a.mb} on rank {r}: {e}") from None
-        if a.kind == "B" and "F" + st[1:] in where:
-            fr, fi = where["F" + st[1:]]
+        if a.kind == "B" and forward_key(st) in where:
+            fr, fi = where[forward_key(st)]
             if fi >= i:
                 raise PlanError(f"on rank {r}, {a} runs before its forward")
             if recompute_layout(plan.ranks[fr][fi].strategy) != lay:  # "k" is "k/1"
@@ -513,7 +550,7 @@ def validate(plan: Plan, types: bool = True) -> list[tuple[int, int]]:
     order = dry_run(plan, keys)
     # complete: every forward has its backward and the other way round, every microbatch has stages
     for st, (r, i) in ([] if plan.forward_only else where.items()):
-        other = ("B" if st[0] == "F" else "F") + st[1:]
+        other = paired_key(st)
         if other not in where:
             a = plan.ranks[r][i]
             raise PlanError(f"the plan is incomplete: {a} on rank {r} has no {'backward' if a.kind == 'F' else 'forward'}"

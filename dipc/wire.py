@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["WireTimeout", "broadcast_json", "all_gather_json", "encode_json", "decode_json", "sum_over_ranks"]
+__all__ = ["WireTimeout", "broadcast_json", "all_gather_json", "encode_json", "decode_json", "sum_over_ranks", "wait_work"]
 
 
 #: the shortest timeout a distributed wait of dipc takes (a runtime's ``timeout``, ``dipc.launch.spawn``'s), seconds:
@@ -39,7 +39,12 @@ def decode_json(data: bytes) -> Any:
     return json.loads(data.decode("utf-8"))
 
 
-def _wait(work, timeout: float, what: str) -> None:
+def wait_work(work, timeout: float, what: str) -> None:
+    """Wait for a ``torch.distributed`` work handle at most ``timeout`` seconds.
+
+    Raises:
+        WireTimeout: the wait timed out or the collective failed (``what`` names what was awaited).
+    """
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -62,7 +67,7 @@ def broadcast_json(obj: Any, src: int, group=None, device: torch.device | None =
     me = dist.get_rank(group)
     data = encode_json(obj) if me == src else b""
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    _wait(dist.broadcast(n, src=_global(group, src), group=group, async_op=True), timeout,
+    wait_work(dist.broadcast(n, src=_global(group, src), group=group, async_op=True), timeout,
           f"the length of {what} from rank {src}")
     size = int(n.item())
     if me == src:
@@ -71,7 +76,7 @@ def broadcast_json(obj: Any, src: int, group=None, device: torch.device | None =
     else:
         buf = torch.empty(size, dtype=torch.uint8, device=device)
     if size:
-        _wait(dist.broadcast(buf, src=_global(group, src), group=group, async_op=True), timeout,
+        wait_work(dist.broadcast(buf, src=_global(group, src), group=group, async_op=True), timeout,
               f"{what} ({size} bytes) from rank {src}")
     return obj if me == src else decode_json(bytes(buf.cpu().numpy().tobytes()))
 
@@ -88,7 +93,7 @@ def all_gather_json(obj: Any, group=None, device: torch.device | None = None, ti
     data = encode_json(obj)
     mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), timeout, f"the lengths of every rank's {what}")
+    wait_work(dist.all_gather(sizes, mine, group=group, async_op=True), timeout, f"the lengths of every rank's {what}")
     lens = [int(s.item()) for s in sizes]
     top = max(lens)
     buf = torch.zeros(top, dtype=torch.uint8, device=device)
@@ -96,7 +101,7 @@ def all_gather_json(obj: Any, group=None, device: torch.device | None = None, ti
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     parts = [torch.empty(top, dtype=torch.uint8, device=device) for _ in range(world)]
     if top:
-        _wait(dist.all_gather(parts, buf, group=group, async_op=True), timeout, f"every rank's {what}")
+        wait_work(dist.all_gather(parts, buf, group=group, async_op=True), timeout, f"every rank's {what}")
     return [decode_json(bytes(p[:n].cpu().numpy().tobytes())) for p, n in zip(parts, lens)]
 
 
@@ -126,9 +131,9 @@ def sum_over_ranks(tensor: torch.Tensor, ranks, group=None, timeout: float = 300
     recvs = [(r, dist.irecv(got[r], src=_global(group, r), group=group, tag=SUM_TAG)) for r in peers]
     sends = [(r, dist.isend(tensor, dst=_global(group, r), group=group, tag=SUM_TAG)) for r in peers]
     for r, w in recvs:
-        _wait(w, timeout, f"{what} from rank {r}")
+        wait_work(w, timeout, f"{what} from rank {r}")
     for r, w in sends:
-        _wait(w, timeout, f"{what} to rank {r}")
+        wait_work(w, timeout, f"{what} to rank {r}")
     total = tensor if ranks[0] == me else got[ranks[0]]  # (g0 + g1) + g2 ... on every rank: the same bits
     for r in ranks[1:]:
         total.add_(tensor if r == me else got[r])

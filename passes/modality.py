@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 
 import torch.fx
 
-__all__ = ["DEFAULT_RULES", "annotate_modality", "module_path", "modality_summary"]
+__all__ = ["DEFAULT_RULES", "annotate_modality", "module_path", "modality_summary", "rule_modality"]
 
 #: default rules: modality -> path components.  Order matters only for paths matching several modalities
 #: (with these default rules the outermost matching module wins - a DiT's ``transformer.patch_embed`` stays in
@@ -67,7 +67,9 @@ def _match(path: str, component: str) -> bool:
     return any(parts[i:i + n] == comp for i in range(len(parts) - n + 1))
 
 
-def _rule_modality(paths: Sequence[str], rules: Mapping[str, Sequence[str]], outermost: bool = False) -> str | None:
+def rule_modality(paths: Sequence[str], rules: Mapping[str, Sequence[str]], outermost: bool = False) -> str | None:
+    """The modality the first rule matching a module path names (innermost path first; outermost first with
+    ``outermost``), or None when no rule matches."""
     for p in (paths if outermost else reversed(paths)):
         for modality, comps in rules.items():
             if any(_match(p, c) for c in comps):
@@ -92,7 +94,7 @@ def annotate_modality(graph: torch.fx.Graph, rules: Mapping[str, Sequence[str]] 
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     label: dict[torch.fx.Node, str] = {}
     for n in nodes:
-        m = _rule_modality(module_path(n), rules, outermost)
+        m = rule_modality(module_path(n), rules, outermost)
         if m is not None:
             label[n] = m
     order = {n: i for i, n in enumerate(graph.nodes)}

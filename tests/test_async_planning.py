@@ -168,7 +168,7 @@ def _scenarios(rank, world):
     # a plan handed over that validates on its own but lacks a gradient message (and the dependency it carried):
     # it would run and leave gradients short; refused on every rank (a break-it run), and the next step is exact
     from dipc.plan import PlanError
-    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner import build_workload, make_plan, split_for
 
     pipe = compiled.runtime(n_microbatches=2, timeout=60)
     try:
@@ -305,7 +305,7 @@ def test_planner_frame_without_float_values_plans_the_same(case):
     import dipc
     import pipeline_cases as pc
     from dipc.planner.background import decode_batch, encode_batch
-    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner import build_workload, make_plan, split_for
     from dipc.planner.workload import step_digest
 
     torch.manual_seed(0)

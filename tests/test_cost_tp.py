@@ -7,7 +7,7 @@ import torch
 
 import dipc
 from dipc.sim.device import DeviceProfile
-from dipc.runtime import build_workload, split_for
+from dipc.planner import build_workload, split_for
 from dipc.planner.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
 
 import pipeline_cases as pc

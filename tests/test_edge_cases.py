@@ -264,7 +264,7 @@ def test_the_step_digest_covers_python_values():
     """Issue 39 §4: ranks given batches that differ only in a Python value (a shared float) used to run the step
     with each rank's own value (a loss mixing both); the digest every rank compares now covers Python values, as
     JSON, the form the background planner receives them in (a tuple and a list of the same items agree)."""
-    from dipc.runtime import build_workload, split_for, step_digest
+    from dipc.planner import build_workload, split_for, step_digest
 
     torch.manual_seed(0)
     ids = _tokens(4, 6, 0)

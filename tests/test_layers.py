@@ -21,3 +21,40 @@ def test_imports_follow_the_layers(tmp_path):
     out = subprocess.run([lint, "--config", os.path.join(ROOT, "pyproject.toml"), "--no-cache"], cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "1 kept, 0 broken" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+    if rel[0] != "dipc":
+        rel = ["dipc"] + rel
+    return ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
+
+
+def _python_files():
+    for top in ("dipc", "passes", "codegen", "models"):
+        for d, dirs, files in os.walk(os.path.join(ROOT, top)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            yield from (os.path.join(d, f) for f in files if f.endswith(".py"))
+
+
+def test_no_module_imports_another_packages_private_name():
+    """Underscore names stay inside their package: ``from dipc.x.y import _z`` is allowed only within ``dipc.x``."""
+    import ast
+
+    bad = []
+    for path in _python_files():
+        mod = _module_name(path)
+        pkg = mod if path.endswith("__init__.py") else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path).read())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            if not src.startswith("dipc") or src == pkg or src.rsplit(".", 1)[0] == pkg:
+                continue
+            bad += [f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {a.name} from {src}" for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, "\n".join(bad)

@@ -146,7 +146,8 @@ def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_t
     import pipeline_cases as pc
     from dipc.plan import stage_key
     from dipc.planner.planning import _fill_gaps, activation_budget
-    from dipc.runtime import build_workload, make_plan, run_local, split_for
+    from dipc.runtime import run_local
+    from dipc.planner import build_workload, make_plan, split_for
     from dipc.planner.schedule import lower, order_peaks, timed_schedule
 
     torch.manual_seed(0)
@@ -188,8 +189,8 @@ def test_a_rank_simulating_a_received_plan_on_its_own_workload_sees_the_plans_re
 
     import dipc
     import pipeline_cases as pc
-    from dipc.planner.background import _summary
-    from dipc.runtime import build_workload, make_plan, split_for
+    from dipc.planner.background import simulated_summary
+    from dipc.planner import build_workload, make_plan, split_for
 
     torch.manual_seed(0)
     c = dipc.compile(pc.vlm(False, 4, 4), pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 1},
@@ -201,7 +202,7 @@ def test_a_rank_simulating_a_received_plan_on_its_own_workload_sees_the_plans_re
     plan = make_plan(c, planned, 0, memory_limit=limit)
     assert plan.simulated["recomputed"] > 0
     fresh = build_workload(c, split_for(c, b, 8))  # what another rank builds
-    here, there = _summary(c, planned, plan, static), _summary(c, fresh, plan, static)
+    here, there = simulated_summary(c, planned, plan, static), simulated_summary(c, fresh, plan, static)
     assert max(there["peak_memory"]) <= limit * (1 + 1e-9), (there["peak_memory"], limit)
     assert there["peak_memory"] == pytest.approx(here["peak_memory"], rel=1e-9)
     assert there["iteration_time"] == pytest.approx(here["iteration_time"], rel=1e-9)

@@ -297,7 +297,7 @@ def test_per_layer_recompute_keeps_less_and_gives_the_unsplit_gradients():
     prog = c.program_for(b)
     cm = next(cm for cm in prog.chunks.values() if cm.n_layers >= 3 and cm.loss is None and cm.gm is not None)
     mb = c.batch_spec.split(b, 8)[0]
-    from dipc.runtime import build_workload
+    from dipc.planner import build_workload
     w = build_workload(c, [mb])
     fk = next(k for k, st in w.graph.stages.items() if st.kind == "F" and st.chunk == cm.chunk)
     torch.manual_seed(1)
@@ -404,7 +404,7 @@ def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradie
     model's loss and gradients, in two batch orders (text-only microbatches first).  The planner's reserve for a
     one-layer-at-a-time rebuild is smaller than for a whole chunk's."""
     from dipc.planner.planning import _buffer_reserve
-    from dipc.runtime import build_workload, memory_options, split_for
+    from dipc.planner import build_workload, memory_options, split_for
 
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)
@@ -443,7 +443,8 @@ def test_uniform_checkpoint_groups_are_offered_run_with_the_unsplit_gradients_an
     import dataclasses
 
     from dipc.planner.planning import _buffer_reserve
-    from dipc.runtime import build_workload, memory_options, run_local, split_for
+    from dipc.runtime import run_local
+    from dipc.planner import build_workload, memory_options, split_for
 
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 6)

@@ -6,7 +6,8 @@ import torch
 
 import dipc
 from dipc.launch import spawn
-from dipc.runtime import build_workload, run_local, set_recompute
+from dipc.runtime import run_local
+from dipc.planner import build_workload, set_recompute
 from dipc.testing import local_check
 
 import pipeline_cases as pc

@@ -5,8 +5,8 @@ time it is given a batch (the fork inherits the compiled pipeline: its captures,
 nothing of it is serialised), then sends it each next batch as a frame of JSON metadata and the raw bytes of its
 integer tensors (floating-point ones as shape and dtype only: planning reads their shapes, not their values), and
 reads back the plan as JSON text.  Nothing is pickled on either side.  The process plans exactly as
-the synchronous path would (:func:`dipc.runtime.split_for`, :func:`dipc.runtime.build_workload`,
-:func:`dipc.runtime.make_plan`, validated) and, unless the runtime says not to (``simulate_steps=False``), also
+the synchronous path would (:func:`dipc.planner.split_for`, :func:`dipc.planner.build_workload`,
+:func:`dipc.planner.make_plan`, validated) and, unless the runtime says not to (``simulate_steps=False``), also
 simulates the plan, so that the step report's bubble ratio, its causes and the peak memory cost the training
 process nothing.
 
@@ -41,7 +41,7 @@ import torch
 from ..errors import NeedsCapture
 from ..wire import decode_json, encode_json
 
-__all__ = ["BackgroundPlanner", "encode_batch", "decode_batch", "planner_cpus"]
+__all__ = ["BackgroundPlanner", "encode_batch", "decode_batch", "planner_cpus", "simulated_summary"]
 
 log = logging.getLogger("dipc")
 
@@ -91,7 +91,7 @@ def decode_batch(frame: bytes) -> tuple[dict, dict]:
     return meta["header"], batch
 
 
-def _summary(compiled, w, plan, static_bytes) -> dict:
+def simulated_summary(compiled, w, plan, static_bytes) -> dict:
     """The simulated step of ``plan`` as the step report shows it (JSON)."""
     from ..sim.simulate import simulate_workload
     from .planning import with_plan_strategies
@@ -196,7 +196,7 @@ def _serve(conn, compiled, options: dict) -> None:
                 # then, when asked and unless the next batch waits, the report's figures
                 if plan is not None and head.get("simulate", True) and not conn.poll(0):
                     conn.send_bytes(encode_json({"step": head["step"],
-                                                 "simulation": _summary(compiled, w, plan, static)}))
+                                                 "simulation": simulated_summary(compiled, w, plan, static)}))
             except (BrokenPipeError, OSError):
                 break
     except BaseException:  # noqa: BLE001 - a dying planner must not run the parent's atexit handlers

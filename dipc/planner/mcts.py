@@ -25,7 +25,7 @@ Parallel workers (§2.3: "parallel workers sharing the statistics", at most half
 tree and its statistics stay in this process, so every worker's score reaches the same tree), and the
 permutations are drawn here, so a seeded search finds the same result with any number of workers.
 
-Pure: the score is a callable; :func:`dipc.runtime.make_plan` supplies the interleaver + memory ILP.
+Pure: the score is a callable; :func:`dipc.planner.make_plan` supplies the interleaver + memory ILP.
 """
 from __future__ import annotations
 

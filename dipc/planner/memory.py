@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..plan import PlanError
+from ..plan import PlanError, backward_key, forward_key
 from ..stages import StageGraph
 from .schedule import fit_by_recompute, relax_recompute
 from .kernels import hull_steps, interval_cover_lp, rank_rows, relax_inputs, round_up
@@ -141,7 +141,7 @@ def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -
     the given bytes while it runs (``Stage.rebuild_bytes``; without: all the forward did not keep); the forward
     remembers its "keep" bytes and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo
     it."""
-    _apply(graph.stages[fk], graph.stages["B" + fk[1:]], option)
+    _apply(graph.stages[fk], graph.stages[backward_key(fk)], option)
 
 
 def _apply(st, b, option: tuple) -> None:
@@ -194,7 +194,7 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
             continue
         stages = graph.stages
         fwd = [stages[k] for k in pairs]
-        bkeys = ["B" + k[1:] for k in pairs]
+        bkeys = [backward_key(k) for k in pairs]
         bwd = [stages[k] for k in bkeys]
         # each pair's candidates (most bytes first) as arrays, kept over a search's rollouts (_candidates; its
         # cache hit inlined: a call per pair was a tenth of a VLM-L / 64-microbatch memory optimisation)
@@ -231,7 +231,7 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         # stages numbered by their position, each backward given its forward's pair
         at_pair = {k: i for i, k in enumerate(pairs)}
         is_b = np.fromiter((k[0] == "B" for k in ks), np.bool_, len(ks))
-        pair_of = np.fromiter((at_pair[k] if k[0] == "F" else at_pair["F" + k[1:]] for k in ks), np.int64, len(ks))
+        pair_of = np.fromiter((at_pair[k] if k[0] == "F" else at_pair[forward_key(k)] for k in ks), np.int64, len(ks))
         status, _, ra, rb, n_rows, bad, bad_bytes = rank_rows(np.arange(len(ks)), is_b, pair_of, len(pairs),
                                                                 least_p, most_p, float(M))
         if status:  # infeasible orders are refused before the solver

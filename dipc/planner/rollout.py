@@ -29,6 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..plan import backward_key
 from .kernels import list_kernel, rank_rows, time_kernel
 
 __all__ = ["Rollouts"]
@@ -78,7 +79,7 @@ class Rollouts:
         fwd = np.flatnonzero(~A.is_b)
         self.pair_of = np.full(n, -1, np.int64)
         self.pair_of[fwd] = np.arange(len(fwd))
-        self.pair_b = np.fromiter((A.at["B" + A.keys[i][1:]] for i in fwd.tolist()), np.int64, len(fwd))
+        self.pair_b = np.fromiter((A.at[backward_key(A.keys[i])] for i in fwd.tolist()), np.int64, len(fwd))
         self.pair_of[self.pair_b] = np.arange(len(fwd))
         self.table = CandidateTable([_candidates(stages[i], S, False) for i in fwd.tolist()])
         # each pair's "keep" seconds (the ILP's gap is relative to them plus the extras), its forward's extra

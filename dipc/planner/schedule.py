@@ -34,7 +34,7 @@ import heapq
 from collections import defaultdict, deque
 from typing import Callable, Sequence
 
-from ..plan import Action, Plan, TensorSpec, stage_key
+from ..plan import Action, Plan, TensorSpec, backward_key, stage_key
 from ..stages import Edge, Schedule, Stage, StageGraph, copy_stage  # noqa: F401
 
 __all__ = ["list_schedule", "lower", "timed_schedule", "order_peaks", "fit_by_recompute", "relax_recompute",
@@ -74,7 +74,7 @@ def list_schedule(graph: StageGraph, n_ranks: int, *, comm_time: Callable[[Edge]
             updated in ``graph``.
         window: at most this many microbatches in flight per rank: a forward of microbatch ``m`` waits until every
             microbatch before ``m - window + 1`` has finished on its rank (``None``: no window).  1F1B's in-flight
-            bound; DIP's planner tries several (:func:`dipc.runtime.make_plan`).
+            bound; DIP's planner tries several (:func:`dipc.planner.make_plan`).
 
     Returns:
         a :class:`Schedule`.
@@ -519,7 +519,7 @@ def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float,
     """Give forward ``st`` and its backward the ``strategy`` ("recompute", or "recompute:k"): both count ``kept``
     bytes, the backward grows by ``extra`` seconds and rebuilds ``rebuild`` bytes while it runs (``None``: all the
     forward did not keep); the forward remembers its "keep" bytes for :func:`relax_recompute`."""
-    b = graph.stages["B" + st.key[1:]]
+    b = graph.stages[backward_key(st.key)]
     keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
     b.latency += extra - st.recompute_extra  # from another option (per-layer recompute), the difference
     st.keep_bytes, st.recompute_extra, st.rebuild_bytes = keep, extra, rebuild
@@ -556,7 +556,7 @@ def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                 cands.append((-(s.recompute_extra / max(extra_b, 1e-12)), k))
         for _, k in sorted(cands):
             s = graph.stages[k]
-            b = graph.stages["B" + k[1:]]
+            b = graph.stages[backward_key(k)]
             lo, hi = pos[k], pos[b.key]
             add = s.keep_bytes - s.activation_bytes
             if level[lo:hi + 1].max() + add <= limits[r]:
@@ -670,7 +670,7 @@ def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: 
             ks = order[r]
             done_b = {k for k in ks[:at + 1] if graph.stages[k].kind == "B"}
             live = [graph.stages[k] for k in ks[:at + 1] if graph.stages[k].kind == "F"
-                    and "B" + k[1:] not in done_b]
+                    and backward_key(k) not in done_b]
             cands = []
             for st in live:
                 opt = recompute_option(recompute_cost, st)

@@ -13,11 +13,12 @@ from typing import Callable
 import torch
 
 from ..batch import Microbatch
-from ..plan import PlanError, TensorSpec, recompute_layout, stage_key
+from ..plan import PlanError, TensorSpec, backward_key, forward_key, recompute_layout, stage_key
 from ..stages import Edge, Stage, StageGraph
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
+    """The name a plan's :class:`dipc.plan.TensorSpec` gives ``dt`` (``torch.bfloat16`` -> ``"bfloat16"``)."""
     return str(dt).replace("torch.", "")
 
 
@@ -48,16 +49,12 @@ class StepWorkload:
     amp: tuple[str, str] | None = None  # (device type, dtype) of the torch.autocast the step runs under
 
 
-def _fkey(c, m, s):
-    return stage_key("F", c, m, s)
-
-
 def autocast_state(device: torch.device) -> tuple[str, str] | None:
     """``(device type, dtype name)`` of the ``torch.autocast`` enabled here for ``device``'s type, or None."""
     kind = device.type
     if not torch.is_autocast_enabled(kind):
         return None
-    return kind, _dtype_name(torch.get_autocast_dtype(kind))
+    return kind, dtype_name(torch.get_autocast_dtype(kind))
 
 
 def autocast_dtypes(prog, amp: tuple[str, str] | None) -> dict[str, torch.dtype]:
@@ -196,7 +193,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
             st = Stage(kind=kind, chunk=c, mb=m, sub=s, rank=rank_of[c], latency=lat[kind], priority=prio,
                        activation_bytes=act, modality=mod_of[c], transient_bytes=transient[kind])
             stages[st.key] = st
-        k = _fkey(c, m, s)
+        k = stage_key("F", c, m, s)
         mb_forwards.append(k)
         programs[k] = prog
         data[k] = view
@@ -231,7 +228,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                     continue
                 src_mod = mod_of[inp.src_chunk]
                 if src_mod == st.modality or src_mod not in inst_of:
-                    w[inp.name] = [(_fkey(inp.src_chunk, m, st.sub if src_mod == st.modality else -1), inp.name)]
+                    w[inp.name] = [(stage_key("F", inp.src_chunk, m, st.sub if src_mod == st.modality else -1), inp.name)]
                     continue
                 # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs
                 k_idx = p.boundary[src_mod].index(inp.name)
@@ -244,7 +241,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                                         f"capture expects {p.boundary[src_mod]}")
                     name = sp.boundary[src_mod][k_idx]
                     src_chunk = next(c for c, cmj in sp.chunks.items() if name in cmj.outputs)
-                    producers.append((_fkey(src_chunk, m, j), name))
+                    producers.append((stage_key("F", src_chunk, m, j), name))
                 w[inp.name] = producers
                 if not producers:
                     meta = p.chunks[inp.src_chunk].output_meta[inp.name]
@@ -260,16 +257,16 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                     meta = programs[pk].chunks[pst.chunk].output_meta[pname]
                     dt = autocast_dtypes(programs[pk], amp).get(pname, meta.dtype)
                     got = specs[(pk, pname)] = (TensorSpec(pname, meta.concrete_shape(bindings[pk]),
-                                                           _dtype_name(dt)), meta.requires_grad)
+                                                           dtype_name(dt)), meta.requires_grad)
                 spec, requires_grad = got
                 lst = edges.setdefault((pk, key), [])
                 if spec not in lst:
                     lst.append(spec)
                 if pst.rank == stages[key].rank:  # the consumer reads the producer's outputs: they live until then
-                    edges.setdefault((key, "B" + pk[1:]), [])
+                    edges.setdefault((key, backward_key(pk)), [])
                 if requires_grad:
-                    bk = "B" + key[1:]
-                    bpk = "B" + pk[1:]
+                    bk = backward_key(key)
+                    bpk = backward_key(pk)
                     lst_b = edges.setdefault((bk, bpk), [])
                     if spec not in lst_b:
                         lst_b.append(spec)
@@ -289,7 +286,7 @@ def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True)
     for k, st in w.graph.stages.items():
         if st.kind != "F" or st.strategy == "recompute" or not (which is True or (callable(which) and which(st))):
             continue
-        b = w.graph.stages["B" + k[1:]]
+        b = w.graph.stages[backward_key(k)]
         kept = _input_bytes(w, k)
         st.keep_bytes, st.recompute_extra, st.forced = st.activation_bytes, st.latency, True
         for x in (st, b):
@@ -374,7 +371,7 @@ def check_strategies(w: StepWorkload, plan) -> None:
         layout = recompute_layout(a.strategy)
         if layout is None or layout[0] == 0:
             continue
-        prog = w.programs.get("F" + a.stage[1:])
+        prog = w.programs.get(forward_key(a.stage))
         if prog is None:
             continue
         n = max(prog.chunks[a.chunk].n_layers, 1)

@@ -18,13 +18,9 @@ For every ``step(batch)`` on every rank of the pipeline group (DESIGN.md "Data f
 found; it is the same executor with an in-memory transport.
 """
 from .transport import TransportError
-# the planner's public names, importable from here as before (its private ones from dipc.planner)
-from ..planner.workload import (StepWorkload, autocast_dtypes, autocast_state, build_workload, memory_options,
-                                set_recompute, split_for, step_digest, workload_digest)
-from ..planner.planning import activation_budget, check_memory_limit, make_plan
 from .executor import Executor, StepFailed, run_local, zero_unreached_grads
 from .pipeline import PipelineRuntime
 from .report import StepReport, prefetch
 
-__all__ = ["PipelineRuntime", "StepWorkload", "StepReport", "StepFailed", "TransportError", "build_workload",
-           "run_local", "Executor", "set_recompute", "memory_options", "prefetch"]
+__all__ = ["PipelineRuntime", "StepReport", "StepFailed", "TransportError", "run_local", "Executor",
+           "zero_unreached_grads", "prefetch"]

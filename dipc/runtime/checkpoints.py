@@ -187,7 +187,7 @@ class CheckpointsMixin:
             dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
             self._write_checksums(checkpoint_id)
             return
-        from ..wire import _wait
+        from ..wire import wait_work
 
         failed = torch.zeros(1, device=self.device)
         err = None
@@ -198,7 +198,7 @@ class CheckpointsMixin:
         except BaseException as e:  # noqa: BLE001 - the other replicas must hear of it, not wait
             failed += 1
             err = e
-        _wait(dist.all_reduce(failed, group=self.dp_group, async_op=True), self.timeout,
+        wait_work(dist.all_reduce(failed, group=self.dp_group, async_op=True), self.timeout,
               "the data-parallel replicas after writing a checkpoint")
         if err is not None:
             raise err
@@ -354,11 +354,11 @@ class CheckpointsMixin:
 
     def _ranks_failing(self, failed: bool, what: str) -> list[int]:
         """The pipeline ranks for which ``failed`` is true (a collective: every rank says whether it failed)."""
-        from ..wire import _wait
+        from ..wire import wait_work
 
         flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
         flags[self.rank] = int(failed)
-        _wait(dist.all_reduce(flags, group=self.group, async_op=True), self.timeout, what)
+        wait_work(dist.all_reduce(flags, group=self.group, async_op=True), self.timeout, what)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:
@@ -406,7 +406,7 @@ class CheckpointsMixin:
         Raises:
             dipc.wire.WireTimeout: a rank's tensors did not arrive within the runtime's timeout.
         """
-        from ..wire import _wait
+        from ..wire import wait_work
 
         owned: dict[int, list] = defaultdict(list)
         for r, n, t in self._owners():
@@ -426,7 +426,7 @@ class CheckpointsMixin:
             else:
                 buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             src = dist.get_global_rank(self.group, r) if self.group is not None else r
-            _wait(dist.broadcast(buf, src=src, group=self.group, async_op=True), self.timeout,
+            wait_work(dist.broadcast(buf, src=src, group=self.group, async_op=True), self.timeout,
                   f"rank {r}'s {len(items)} state tensors ({total} bytes)")
             off = 0
             for (n, t), size in zip(items, sizes):

@@ -84,10 +84,10 @@ class GradBuckets:
 
     def wait(self, what: str) -> None:
         """Wait for every all-reduce (raises :class:`dipc.wire.WireTimeout` after ``timeout``)."""
-        from ..wire import _wait
+        from ..wire import wait_work
 
         for k, wk in enumerate(self.works):
-            _wait(wk, self.timeout, f"{what} (gradient bucket {k} of {len(self.works)})")
+            wait_work(wk, self.timeout, f"{what} (gradient bucket {k} of {len(self.works)})")
 
     def copy_back(self, live: set[int]) -> None:
         """After :meth:`wait`: the summed gradients become ``.grad`` of the parameters in ``live`` (ids: those
@@ -149,14 +149,14 @@ class DataParallelMixin:
         Raises:
             ValueError: the replicas differ (names what differs: compiled from other example batches or options,
                 another ``bucket_mb``)."""
-        from ..wire import _wait, all_gather_json
+        from ..wire import wait_work, all_gather_json
 
         mine = self._dp_layout()
         every = all_gather_json(mine, self.dp_group, self.device, self.timeout,
                                 what="data-parallel replicas' layouts")
         diff = sorted({k for o in every for k in o if o[k] != mine[k]})
         bad = torch.tensor([1.0 if diff else 0.0], dtype=torch.float64, device=self.device)
-        _wait(dist.all_reduce(bad, group=self.group, async_op=True), self.timeout,
+        wait_work(dist.all_reduce(bad, group=self.group, async_op=True), self.timeout,
               "the pipeline's agreement on the data-parallel layout")
         if diff or float(bad.item()) > 0:
             what = {"chunks": "the partition (compile every replica from the same example batch and options)",
@@ -169,12 +169,12 @@ class DataParallelMixin:
 
     def _dp_broadcast_state(self) -> None:
         """Every data-parallel replica starts from the first replica's parameters and buffers (as DDP does)."""
-        from ..wire import _wait
+        from ..wire import wait_work
 
         src = dist.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
             for n, t in self.state_dict_names().items():
-                _wait(dist.broadcast(t.data, src=src, group=self.dp_group, async_op=True), self.timeout,
+                wait_work(dist.broadcast(t.data, src=src, group=self.dp_group, async_op=True), self.timeout,
                       f"the data-parallel broadcast of {n}")
 
     def _dp_count(self, batch) -> float:
@@ -216,10 +216,10 @@ class DataParallelMixin:
             self._dp_buckets = None
 
     def _dp_allreduce(self, h: torch.Tensor, what: str) -> torch.Tensor:
-        from ..wire import _wait
+        from ..wire import wait_work
 
         h = h.to(self.device)
-        _wait(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout, what)
+        wait_work(dist.all_reduce(h, group=self.dp_group, async_op=True), self.timeout, what)
         return h.cpu()
 
     def _dp_failed(self, why: str) -> StepFailed:

@@ -181,19 +181,19 @@ class PlanDeliveryMixin:
                         mine = step_digest(self.compiled, w)
             except Exception as e:  # noqa: BLE001
                 local_err = f"{type(e).__name__}: {e}"
-        from ..wire import _wait
+        from ..wire import wait_work
 
         # one all-reduce tells every rank whether all built the step, agree on its index and on its digest
         bits = int(torch.tensor([loss_scale], dtype=torch.float64).view(torch.int64).item())  # the GradScaler's
         floats_differ = "floats" in header and header["floats"] != floats
         same = torch.tensor([1 if mine == theirs and not floats_differ else 0, self.step_index, -self.step_index,
                              0 if local_err else 1, bits, -bits], dtype=torch.int64, device=self.device)
-        _wait(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+        wait_work(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
               f"every rank's check of step {self.step_index}'s plan")
         if int(same[3].item()) == 0:  # some rank failed alone: the lowest one tells every rank what happened
             bits = torch.tensor([float(2 ** self.rank) if local_err else 0.0], dtype=torch.float64,
                                 device=self.device)
-            _wait(dist.all_reduce(bits, group=self.group, async_op=True), self.timeout,
+            wait_work(dist.all_reduce(bits, group=self.group, async_op=True), self.timeout,
                   f"every rank's failure flags of step {self.step_index}")
             b = int(bits.item())
             origin = (b & -b).bit_length() - 1

@@ -16,7 +16,8 @@ from ..stages import Stage
 
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport
-from ..planner.workload import _dtype_name, StepWorkload, _fkey, autocast_state, build_workload, check_matches, check_strategies, set_recompute, split_for
+from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies, dtype_name,
+                                set_recompute, split_for)
 from ..planner.planning import make_plan
 
 
@@ -101,7 +102,7 @@ class Executor:
         if plan.forward_only:
             for a in plan.ranks[rank]:
                 if a.kind == "SEND_F":
-                    k = _fkey(a.chunk, a.mb, a.sub)
+                    k = stage_key("F", a.chunk, a.mb, a.sub)
                     self.uses[k] = self.uses.get(k, 0) + 1
                 elif a.kind == "F":
                     self.uses.setdefault(a.stage, 0)
@@ -181,17 +182,17 @@ class Executor:
 
     # -- communication
     def _send(self, a):
-        fk = _fkey(a.chunk, a.mb, a.sub)
+        fk = stage_key("F", a.chunk, a.mb, a.sub)
         if a.kind == "SEND_F":
             src = self.outputs[fk]
             if self.plan.forward_only:
                 self._used(fk)
         else:
-            src = self.out_grads.pop((fk, _fkey(a.peer_chunk, a.mb, a.peer_sub)))
+            src = self.out_grads.pop((fk, stage_key("F", a.peer_chunk, a.mb, a.peer_sub)))
         tensors = []
         for spec in a.tensors:
             t = src[spec.name].detach()
-            if tuple(t.shape) != spec.shape or _dtype_name(t.dtype) != spec.dtype:
+            if tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
                 raise PlanError(f"{a}: tensor {spec.name} is {tuple(t.shape)} {t.dtype}, the plan says {spec.shape} "
                                 f"{spec.dtype}")
             tensors.append(t)
@@ -225,7 +226,7 @@ class Executor:
 
     # -- compute
     def _forward(self, a):
-        fk = _fkey(a.chunk, a.mb, a.sub)
+        fk = stage_key("F", a.chunk, a.mb, a.sub)
         self._collect(fk)
         prog = self.w.programs[fk]
         cm = prog.chunks[a.chunk]
@@ -294,7 +295,7 @@ class Executor:
             self.outputs.pop(fk, None)
 
     def _backward(self, a):
-        fk = _fkey(a.chunk, a.mb, a.sub)
+        fk = stage_key("F", a.chunk, a.mb, a.sub)
         bk = stage_key("B", a.chunk, a.mb, a.sub)
         self._collect(bk)
         prog = self.w.programs[fk]

@@ -277,7 +277,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
             RuntimeError: ``error_if_nonfinite`` and the norm is NaN or infinite (on every rank, before any
                 gradient changes).
         """
-        from ..wire import _wait
+        from ..wire import wait_work
 
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
             raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
@@ -295,7 +295,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
                         torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.SUM
         total = local.reshape(1).to(self.device)
-        _wait(dist.all_reduce(total, op=op, group=self.group, async_op=True), self.timeout,
+        wait_work(dist.all_reduce(total, op=op, group=self.group, async_op=True), self.timeout,
               "every rank's gradient norm")
         norm = (total[0] if p_ == math.inf else total[0] ** (1.0 / p_)).to(torch.float32).cpu()
         if error_if_nonfinite and not torch.isfinite(norm):
@@ -361,7 +361,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
                 warning on the ``dipc`` logger; counted in :attr:`fallbacks` and the step report); a ``next_batch``
                 that is not the batch the next step gets is planned again then.  Other ranks ignore it.
             plan: a plan made beforehand for this batch split this way (e.g. by :func:`dipc.simulate` or
-                :func:`dipc.runtime.make_plan`; rank 0's is used, checked against the step's stages, validated
+                :func:`dipc.planner.make_plan`; rank 0's is used, checked against the step's stages, validated
                 unless the background planner made it); the report's ``plan_source`` is then "given".
             scaler: a gradient scaler for fp16 (``torch.amp.GradScaler`` API): the backward starts from the loss
                 times the scale (``scaler.scale(loss).backward()`` of the unsplit model); the returned
@@ -522,7 +522,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
         Raises:
             StepFailed: some rank failed (``usable`` False when a wait timed out or a connection broke, or the
                 exchange itself failed: a rank died or hangs)."""
-        from ..wire import WireTimeout, _wait, broadcast_json
+        from ..wire import WireTimeout, wait_work, broadcast_json
 
         own = failure is not None and not isinstance(failure, _PeerFailed)
         flag = torch.stack([torch.tensor(float(2 ** self.rank) if own else 0.0, dtype=torch.float64),
@@ -533,7 +533,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
             a = ex.failure[0] if ex.failure else "the step's last sends"
             mine = f"this rank (rank {self.rank}) failed in {a}: {type(failure).__name__}: {failure}; "
         try:
-            _wait(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
+            wait_work(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
                   f"every rank's status after step {self.step_index}")
         except (WireTimeout, RuntimeError) as e:
             gone = self._unresponsive()

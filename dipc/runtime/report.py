@@ -57,9 +57,9 @@ class StepReport:
     def simulate(self) -> dict:
         """:attr:`simulation`: the background planner's when it sent it, else made now (on this rank)."""
         if self._fetch() is None:
-            from ..planner.background import _summary
+            from ..planner.background import simulated_summary
 
-            self.simulation = _summary(self._pipe.compiled, self._workload, self._plan,
+            self.simulation = simulated_summary(self._pipe.compiled, self._workload, self._plan,
                                        self._pipe.compiled.rank_state_bytes())
         return self.simulation
 

@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, incoming_messages, replay, stage_keys
+from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, forward_key, incoming_messages, replay, stage_keys
 
 __all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds"]
 
@@ -233,7 +233,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
             if a.kind == "F":
                 mem_events[r].append((start, act.get(st, 0.0)))
             else:
-                mem_events[r].append((end, -act.get("F" + st[1:], 0.0)))
+                mem_events[r].append((end, -act.get(forward_key(st), 0.0)))
             tb = transient.get(st, 0.0)
             if tb:
                 mem_events[r].append((start, tb))
@@ -298,7 +298,7 @@ def end_of_step_seconds(compiled, dev) -> float:
 
 def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=None,
                       optimizer_states: int = 2) -> SimResult:
-    """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.runtime.build_workload`) as :func:`dipc.simulate`
+    """Simulate ``plan`` for the step workload ``w`` (:func:`dipc.planner.build_workload`) as :func:`dipc.simulate`
     does: the stages' latencies, activation and transient bytes, message buffers (per GPU under tensor
     parallelism), the runtime's posting overheads and end-of-step epilogue on the compiled pipeline's device."""
     if static_bytes is None:
@@ -312,7 +312,7 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     transient = {k: s.transient_bytes for k, s in w.graph.stages.items() if s.transient_bytes}
     for k, s in w.graph.stages.items():  # a recomputing backward holds what its forward did not keep, again
         if s.kind == "B" and s.strategy != "keep":
-            f = w.graph.stages["F" + k[1:]]
+            f = w.graph.stages[forward_key(k)]
             again = f.rebuild_bytes
             if again is None and f.keep_bytes is not None:
                 again = f.keep_bytes - f.activation_bytes
