@@ -8,7 +8,8 @@ import torch
 import dipc
 from dipc.sim.device import DeviceProfile
 from dipc.planner import build_workload, split_for
-from dipc.planner.schedule import fit_by_recompute, list_schedule, order_peaks, relax_recompute
+from dipc.planner.fitting import fit_by_recompute, order_peaks, relax_recompute
+from dipc.planner.schedule import list_schedule
 
 import pipeline_cases as pc
 from stage_graphs import vlm_graph

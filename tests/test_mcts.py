@@ -148,7 +148,8 @@ def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_t
     from dipc.planner.planning import _fill_gaps, activation_budget
     from dipc.runtime import run_local
     from dipc.planner import build_workload, make_plan, split_for
-    from dipc.planner.schedule import lower, order_peaks, timed_schedule
+    from dipc.planner.fitting import order_peaks, timed_schedule
+    from dipc.planner.lowering import lower
 
     torch.manual_seed(0)
     model = pc.vlm(False, 4, 4)

@@ -12,7 +12,7 @@ import dipc
 from dipc.codegen.stage import CodegenError
 from dipc.plan import PlanError, recompute_layout, recomputed_blocks
 from dipc.planner.memory import optimize_memory, prune_options
-from dipc.planner.schedule import order_peaks
+from dipc.planner.fitting import order_peaks
 
 import pipeline_cases as pc
 from stage_graphs import chain_graph, gpipe_order, one_f_one_b_order
@@ -169,7 +169,7 @@ def test_interval_cover_flow_has_the_lps_optimum_or_says_it_has_none(seed):
     import numpy as np
     from scipy.optimize import linprog
 
-    from dipc.planner.kernels import interval_cover_lp
+    from dipc.planner.memory_kernels import interval_cover_lp
 
     rnd = random.Random(seed)
     m, ns = rnd.randint(1, 12), rnd.randint(1, 25)
@@ -198,7 +198,7 @@ def test_interval_cover_flow_edge_cases_found_by_review():
     import numpy as np
     from scipy.optimize import linprog
 
-    from dipc.planner.kernels import interval_cover_lp
+    from dipc.planner.memory_kernels import interval_cover_lp
 
     cases = [
         (1, [1.5], [0, 0, 0, 0], [1, 1, 1, 1], [1e4, 5e-3, 3e-3, 1e-3], [1e-6, 1.0, 1.0, 1.0]),

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import dipc
 from dipc.plan import PlanError, validate
-from dipc.planner.schedule import list_schedule, lower
+from dipc.planner.lowering import lower
+from dipc.planner.schedule import list_schedule
 from dipc.sim.simulate import simulate_plan
 
 import pipeline_cases as pc

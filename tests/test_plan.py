@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dipc.plan import Action, Plan, PlanError, TensorSpec, validate
-from dipc.planner.schedule import list_schedule, lower
+from dipc.planner.lowering import lower
+from dipc.planner.schedule import list_schedule
 
 from stage_graphs import chain_graph
 
@@ -39,7 +40,8 @@ def test_json_format_2_round_trips_every_field_and_format_1_still_reads():
     action, as dipc wrote before) reads as the same plan; malformed format-2 text is refused by name."""
     import json
 
-    from dipc.planner.schedule import list_schedule, lower
+    from dipc.planner.lowering import lower
+    from dipc.planner.schedule import list_schedule
     from stage_graphs import chain_graph
 
     g = chain_graph(3, 4)
@@ -185,7 +187,8 @@ def test_validate_refuses_incomplete_plans_and_from_json_malformed_text():
     """A plan missing a backward (or a forward, or a whole microbatch) would run and return a wrong loss: refused."""
     import dataclasses as dc
     from dipc.plan import Plan, PlanError, validate
-    from dipc.planner.schedule import list_schedule, lower
+    from dipc.planner.lowering import lower
+    from dipc.planner.schedule import list_schedule
     from stage_graphs import chain_graph
     g = chain_graph(2, 3)
     plan = lower(g, list_schedule(g, 2), [0, 1], microbatches=[{}, {}, {}])

@@ -10,7 +10,8 @@ import pytest
 from dipc.planner.memory import optimize_memory
 from dipc.planner.rollout import Rollouts
 from dipc.planner.search import groups_of, score_permutation, search_priorities
-from dipc.planner.schedule import list_schedule, order_peaks
+from dipc.planner.fitting import order_peaks
+from dipc.planner.schedule import list_schedule
 
 from stage_graphs import vlm_graph
 

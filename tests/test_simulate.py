@@ -5,7 +5,7 @@ import pytest
 
 from dipc.plan import PlanError
 from dipc.stages import Schedule
-from dipc.planner.schedule import lower
+from dipc.planner.lowering import lower
 from dipc.sim.simulate import simulate_plan
 from dipc.sim.trace import chrome_trace, gantt_png
 
@@ -240,7 +240,8 @@ def _fit_worker(rank, world):
 def test_bubble_causes_add_up_and_the_report_names_them():
     """The plan report (issue 9 scope 5): per rank busy + posting + fill + waits + drain = the iteration time; 1F1B
     on a uniform chain has no wait on rank 0's critical stretch but fill on the last ranks; the report lists them."""
-    from dipc.planner.schedule import lower, timed_schedule
+    from dipc.planner.fitting import timed_schedule
+    from dipc.planner.lowering import lower
     from dipc.sim.simulate import simulate_plan
     from stage_graphs import chain_graph, one_f_one_b_order
 

@@ -12,14 +12,14 @@ forward-backward stage pair, chosen by a small ILP per pipeline rank.
   pair exactly one; minimise ``sum lat[i, j] * o[i, j]``; for every forward that opens a peak (followed by a
   backward in the rank's order, or last), the pairs live there (forward at or before it, backward after it) keep
   at most the rank's activation budget: ``sum mem[i, j] * o[i, j] <= M``.  The memory is counted on the rank's
-  order, as :func:`dipc.planner.schedule.order_peaks` and the simulator count it, so the chosen strategies fit whatever
+  order, as :func:`dipc.planner.fitting.order_peaks` and the simulator count it, so the chosen strategies fit whatever
   the latencies do to the timeline; the caller then re-times the fixed order with the chosen latencies.  Solved
   by its LP relaxation (in incremental form over each pair's lower hull, :meth:`CandidateTable.relax`: a min-cost
   flow, as a pair covers an interval of rows) rounded and greedily improved, and HiGHS's branch and bound
   (``scipy.optimize.milp``) only when that is not within the 5% relative gap of the relaxation's bound
   (:func:`_solve_pairs`), under a time limit.  scipy gives HiGHS no starting
   solution, so the greedy warm start of the paper is the fallback instead: a rank the solver leaves without a
-  solution in time keeps what the greedy recompute fit (:func:`dipc.planner.schedule.fit_by_recompute`) gave it.
+  solution in time keeps what the greedy recompute fit (:func:`dipc.planner.fitting.fit_by_recompute`) gave it.
 * ``uniform``: one strategy per chunk for all its microbatches (a static schedule's user sets recompute once per
   chunk, as Megatron's flags do); the variables are then per (chunk, candidate).
 
@@ -35,8 +35,8 @@ import numpy as np
 
 from ..plan import PlanError, backward_key, forward_key
 from ..stages import StageGraph
-from .schedule import fit_by_recompute, relax_recompute
-from .kernels import hull_steps, interval_cover_lp, rank_rows, relax_inputs, round_up
+from .fitting import fit_by_recompute, relax_recompute
+from .memory_kernels import hull_steps, interval_cover_lp, rank_rows, relax_inputs, round_up
 
 __all__ = ["prune_options", "optimize_memory", "apply_option", "fit_order", "S_DEFAULT"]
 
@@ -547,8 +547,8 @@ def fit_order(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequenc
               pristine: StageGraph, *, ilp: bool = True) -> None:
     """Give a fixed per-rank order's pairs memory strategies under ``limits`` (bytes per rank): the per-rank ILP
     (:func:`optimize_memory`) alone when it solves every rank - its choice does not depend on the strategies the
-    pairs had - else, as before it, the greedy fit (:func:`dipc.planner.schedule.fit_by_recompute`, then
-    :func:`dipc.planner.schedule.relax_recompute`) with the ILP over it, the greedy's choice kept on the ranks the ILP
+    pairs had - else, as before it, the greedy fit (:func:`dipc.planner.fitting.fit_by_recompute`, then
+    :func:`dipc.planner.fitting.relax_recompute`) with the ILP over it, the greedy's choice kept on the ranks the ILP
     leaves unsolved.  ``pristine``: the stages as they were (``graph``'s are restored from it before the greedy);
     ``ilp`` False: the greedy only.  Skipping the greedy when the ILP solves saves a fifth of a search rollout at
     VLM-L / 64 microbatches.

@@ -13,7 +13,9 @@ from typing import Sequence
 from ..plan import Plan, PlanError, recompute_layout, stage_key, validate
 from .memory import apply_option, copy_strategies, fit_order, optimize_memory
 from ..stages import Edge, StageGraph, copy_stage
-from .schedule import fit_by_recompute, list_schedule, lower, order_peaks, timed_schedule
+from .fitting import fit_by_recompute, order_peaks, timed_schedule
+from .lowering import lower
+from .schedule import list_schedule
 
 from .workload import StepWorkload, gc_paused, memory_options, rebuild_need, group_rebuild_need, _input_bytes
 
@@ -78,7 +80,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     dual-queue list scheduler (DIP §2.4); under each rank's activation budget (:func:`activation_budget`) the
     fastest simulated of several memory-feasible candidates (:func:`_interleave`).  The static templates fix
     each rank's order first (Optimus: encoder forwards first, then the list scheduler without a limit), then switch
-    stages to recompute until every rank fits its budget (:func:`dipc.planner.schedule.fit_by_recompute`).  The plan's
+    stages to recompute until every rank fits its budget (:func:`dipc.planner.fitting.fit_by_recompute`).  The plan's
     ``simulated`` records ``schedule``, ``recomputed`` (the forward-backward pairs that recompute) and
     ``plans_tried`` (the schedules made: one per reserve policy and per re-plan under smaller budgets when the
     simulated plan was over its limit; each linear in the stages).  The workload
@@ -560,8 +562,8 @@ def _interleave(graph: StageGraph, P: int, comm, limits, recompute_cost, encoder
     (W x P microbatches in flight per rank), the encoder-first order (``encoder_first``: the extra precedence
     edges, Optimus' coarse order) and ``seeds`` (fixed per-rank orders: the 1F1B and MIMO templates' orders on
     these sub-microbatched stages) - whose stages then recompute until they fit
-    (:func:`dipc.planner.schedule.fit_by_recompute`) and go back to "keep" where memory is left
-    (:func:`dipc.planner.schedule.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
+    (:func:`dipc.planner.fitting.fit_by_recompute`) and go back to "keep" where memory is left
+    (:func:`dipc.planner.fitting.relax_recompute`, a greedy phase 3).  The chosen candidate's strategies and latencies are
     written into ``graph``.
 
     ``info`` (a dict) receives ``"window"``: the in-flight window (microbatches per rank) of the fastest window

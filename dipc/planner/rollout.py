@@ -16,7 +16,7 @@ rollout at VLM-L / 64 microbatches, then three Python loops over them (~140 ms a
 * the order timed with the chosen latencies by :func:`dipc.planner.kernels.time_kernel`.
 
 These are the kernels the object code calls too (:func:`dipc.planner.schedule.list_schedule`,
-:func:`dipc.planner.memory.optimize_memory`, :func:`dipc.planner.schedule.timed_schedule`), so a score is that code's to
+:func:`dipc.planner.memory.optimize_memory`, :func:`dipc.planner.fitting.timed_schedule`), so a score is that code's to
 the last bit (``tests/test_rollout.py`` compares them on random permutations).  Where the object code would take
 another path - the ILP leaves a rank unsolved or misses its 5% gap (the greedy fit, branch and bound) -
 :meth:`Rollouts.score` returns None and the caller scores that permutation the object way.  The schedule of the
@@ -30,7 +30,8 @@ from typing import Sequence
 import numpy as np
 
 from ..plan import backward_key
-from .kernels import list_kernel, rank_rows, time_kernel
+from .kernels import list_kernel, time_kernel
+from .memory_kernels import rank_rows
 
 __all__ = ["Rollouts"]
 

@@ -1,4 +1,4 @@
-"""Default schedule: DIP's greedy dual-queue stage interleaver, and lowering of a schedule into a plan.
+"""Default schedule: DIP's greedy dual-queue stage interleaver.
 
 :func:`list_schedule` follows shared/PAPER.md §2.4 (searcher phase 2), without the MCTS priorities (phase 1; every
 stage's priority here favours earlier microbatches) and without the memory ILP (phase 3):
@@ -19,26 +19,23 @@ stage's priority here favours earlier microbatches) and without the memory ILP (
   :class:`dipc.plan.PlanError` names the rank, the bytes needed and the activation budget;
 * ``window``: at most that many microbatches in flight per rank (1F1B's bound; DIP's planner tries several).
 
-Fixed orders (the schedule templates, :mod:`dipc.codegen.templates`) are timed by :func:`timed_schedule`, fitted to
-a memory limit by :func:`fit_by_recompute` and given back memory by :func:`relax_recompute` (a greedy stand-in for
-DIP's per-rank memory ILP, §2.5).
-
-:func:`lower` turns the per-rank order into a :class:`dipc.plan.Plan`: a ``SEND`` right after the stage that
-produces a message, and the matching ``RECV`` posted on the receiver one compute action ahead of the first stage
-that needs it (``recv_lookahead``), in the sender's order (so the plan is valid under in-order matching too).
+Fixed orders (the schedule templates) are timed and fitted to memory in :mod:`dipc.planner.fitting`; a schedule
+becomes a plan in :mod:`dipc.planner.lowering`.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections import defaultdict, deque
-from typing import Callable, Sequence
+from collections import defaultdict
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from ..plan import Action, Plan, TensorSpec, backward_key, stage_key
-from ..stages import Edge, Schedule, Stage, StageGraph, copy_stage  # noqa: F401
+from ..plan import backward_key
+from ..stages import Edge, Schedule, Stage, StageGraph
 
-__all__ = ["list_schedule", "lower", "timed_schedule", "order_peaks", "fit_by_recompute", "relax_recompute",
-           "switch_to_recompute", "recompute_option"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["list_schedule", "recompute_option", "switch_to_recompute", "graph_arrays", "GraphArrays"]
 
 
 def recompute_option(recompute_cost: Callable[[Stage], tuple], st: Stage) -> tuple[float, float, str, float | None]:
@@ -436,84 +433,6 @@ def _make_room(graph: StageGraph, queues, limits, live, need, oldest: int, recom
                 f"static bytes) with {live[r]:.4g} live and no backward to free it")
 
 
-def lower(graph: StageGraph, schedule: Schedule, chunk_ranks: list[int], *, step: int = 0,
-          microbatches: list[dict] | None = None, recv_lookahead: int = 1) -> Plan:
-    """Turn a schedule into a plan with explicit sends and receives (see the module docstring).
-
-    ``recv_lookahead``: a rank posts the receives of its next ``recv_lookahead`` compute actions before running the
-    current one (0: just before the consumer), so that a peer's send finds its receive posted and the transfer
-    overlaps the current action (gloo and NCCL move data only once both sides are posted); each posted receive
-    holds its buffer from then on.  Receives from one peer stay in that peer's send order.
-
-    Raises:
-        ValueError: ``recv_lookahead`` is not an int >= 0.
-    """
-    if isinstance(recv_lookahead, bool) or not isinstance(recv_lookahead, int) or recv_lookahead < 0:
-        raise ValueError(f"recv_lookahead must be an int >= 0, got {recv_lookahead!r}")
-    n_ranks = len(schedule.order)
-    preds = graph.preds()
-    # messages: one per cross-rank edge that carries tensors, numbered in the sender's order
-    out_msgs: dict[str, list[Edge]] = defaultdict(list)
-    for e in graph.edges:
-        if graph.stages[e.src].rank != graph.stages[e.dst].rank and e.tensors:
-            out_msgs[e.src].append(e)
-    stages = graph.stages
-    ranks: list[list[Action]] = [[] for _ in range(n_ranks)]
-    # receives per (sender, receiver) in sender order
-    pending: dict[tuple[int, int], deque[tuple[int, Edge]]] = defaultdict(deque)
-    sends: dict[str, list[tuple[int, Edge]]] = {}  # stage -> its messages, numbered in send order
-    msg_id: dict[tuple[str, str], int] = {}
-    for r in range(n_ranks):
-        for k in schedule.order[r]:
-            if k not in out_msgs:
-                continue
-            mine = sends[k] = []
-            for e in sorted(out_msgs[k], key=lambda e: (stages[e.dst].rank, schedule.start[e.dst], e.dst)):
-                m = msg_id[(e.src, e.dst)] = len(msg_id)
-                mine.append((m, e))
-                pending[(r, stages[e.dst].rank)].append((m, e))
-    # stage -> (message, sender rank) of each message it waits on, in its edges' order
-    incoming = {k: [(msg_id[(e.src, e.dst)], stages[e.src].rank) for e in es if (e.src, e.dst) in msg_id]
-                for k, es in preds.items()}
-    posted: set[int] = set()
-
-    def comm_action(kind: str, here: Stage, there: Stage, m: int, tensors) -> Action:
-        return Action(kind, here.chunk, here.mb, here.sub, there.rank, there.chunk, there.sub, m, tuple(tensors))
-
-    def post_receives(r: int, k: str) -> None:
-        for m, src_rank in incoming.get(k, ()):  # in the order of the edges into k
-            if m in posted:
-                continue
-            queue = pending[(src_rank, r)]
-            while queue:
-                mm, ee = queue.popleft()
-                posted.add(mm)
-                ranks[r].append(comm_action("RECV_" + ee.src[0], stages[ee.dst], stages[ee.src], mm, ee.tensors))
-                if mm == m:
-                    break
-
-    for r in range(n_ranks):
-        order = schedule.order[r]
-        last = len(order) - 1
-        acts = ranks[r]
-        ahead = -1  # the receives of order[: ahead + 1] are posted (a stage's, once posted, are all posted)
-        for i, k in enumerate(order):
-            s = stages[k]
-            for j in range(max(i, ahead + 1), min(i + recv_lookahead, last) + 1):
-                post_receives(r, order[j])
-                ahead = j
-            acts.append(Action(s.kind, s.chunk, s.mb, s.sub, strategy=s.strategy))
-            for m, e in sends.get(k, ()):
-                acts.append(comm_action("SEND_" + s.kind, s, stages[e.dst], m, e.tensors))
-    deps = {k: sorted({e.src for e in preds[k]}) for k in graph.stages if preds[k]}
-    # the scheduler's estimate of the step; its per-stage start and end times stay with the schedule: no rank reads
-    # them, and they were 40% of the plan's JSON, written, sent, digested and read on every step (the simulator
-    # times each action itself, dipc.simulate)
-    sim = {"iteration_time": schedule.iteration_time}
-    return Plan(step=step, chunk_ranks=list(chunk_ranks), ranks=ranks, deps=deps,
-                microbatches=list(microbatches or []), simulated=sim)
-
-
 def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float, strategy: str = "recompute",
                         rebuild: float | None = None) -> None:
     """Give forward ``st`` and its backward the ``strategy`` ("recompute", or "recompute:k"): both count ``kept``
@@ -526,179 +445,3 @@ def switch_to_recompute(graph: StageGraph, st: Stage, kept: float, extra: float,
     for x in (st, b):
         x.strategy = strategy
         x.activation_bytes = kept
-
-
-def relax_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None]) -> int:
-    """Switch planner-recomputed stage pairs (:func:`switch_to_recompute`) of a fixed order back to "keep" while
-    every rank's live activations stay under its limit: most backward seconds saved per byte first, each checked
-    over the positions its activations would be live (a greedy form of DIP's per-rank memory optimisation, PAPER.md
-    §2.5; the ILP is the next issue's).  Returns how many pairs went back to "keep"."""
-    import numpy as np
-
-    n = 0
-    for r, ks in enumerate(order):
-        if limits[r] is None or not ks:
-            continue
-        pos = {k: i for i, k in enumerate(ks)}
-        delta = np.zeros(len(ks) + 1)
-        for i, k in enumerate(ks):
-            s = graph.stages[k]
-            if s.kind == "F":
-                delta[i] += s.activation_bytes
-            else:
-                delta[i + 1] -= s.activation_bytes  # freed after the backward (as :func:`order_peaks` counts)
-        level = np.cumsum(delta)[:-1]
-        cands = []
-        for k in ks:
-            s = graph.stages[k]
-            if s.kind == "F" and s.strategy != "keep" and s.keep_bytes is not None and not s.forced:
-                extra_b = s.keep_bytes - s.activation_bytes
-                cands.append((-(s.recompute_extra / max(extra_b, 1e-12)), k))
-        for _, k in sorted(cands):
-            s = graph.stages[k]
-            b = graph.stages[backward_key(k)]
-            lo, hi = pos[k], pos[b.key]
-            add = s.keep_bytes - s.activation_bytes
-            if level[lo:hi + 1].max() + add <= limits[r]:
-                level[lo:hi + 1] += add
-                for x in (s, b):
-                    x.strategy = "keep"
-                    x.activation_bytes = s.keep_bytes
-                b.latency -= s.recompute_extra
-                s.keep_bytes, s.recompute_extra, s.rebuild_bytes = None, 0.0, None
-                n += 1
-    return n
-
-
-def timed_schedule(graph: StageGraph, order: Sequence[Sequence[str]], *,
-                   comm_time: Callable[[Edge], float] | None = None) -> Schedule:
-    """Time a fixed per-rank order (a schedule template's): each stage starts when its rank has finished the one
-    before it and every stage it depends on has ended (plus ``comm_time`` for an edge between ranks).
-
-    Raises:
-        dipc.plan.PlanError: the order is not a permutation of the graph's stages on their ranks, or it deadlocks
-            (names each rank's waiting stage and what it waits for).
-    """
-    import numpy as np
-
-    from ..plan import PlanError
-    from .kernels import time_kernel
-
-    A = graph_arrays(graph, comm_time)
-    at = A.at
-    n = len(at)
-    try:
-        ids = [[at[k] for k in ks] for ks in order]
-    except KeyError:
-        ids = None
-    seen = [i for ii in ids for i in ii] if ids is not None else None
-    if seen is None or len(seen) != n or len(set(seen)) != n:
-        flat = [k for ks in order for k in ks]
-        missing = sorted(set(graph.stages) - set(flat))[:5]
-        counts: dict[str, int] = defaultdict(int)
-        for k in flat:
-            counts[k] += 1
-        extra = sorted(k for k, c in counts.items() if c > 1 or k not in graph.stages)[:5]
-        raise PlanError(f"the order does not run every stage once: missing {missing}, unknown or repeated {extra}")
-    stages = list(graph.stages.values())
-    for r, ii in enumerate(ids):
-        wrong = [order[r][p] for p, i in enumerate(ii) if stages[i].rank != r]
-        if wrong:
-            raise PlanError(f"rank {r}'s order holds stages of other ranks: {wrong[:5]}")
-    olen = np.asarray([len(ii) for ii in ids], np.int64).reshape(-1)
-    flat_ids = np.full((len(ids), max(olen.max(initial=0), 1)), -1, np.int64)
-    for r, ii in enumerate(ids):
-        flat_ids[r, :len(ii)] = ii
-    lat = np.fromiter((st.latency for st in stages), np.float64, n)
-    status, beg, fin, seq = time_kernel(flat_ids, olen, A.pred_ptr, A.pred_idx, A.pred_delay, lat)
-    keys = A.keys
-    if status:
-        end_k = {keys[i] for i in seq.tolist()}
-        preds = graph.preds()
-        waits = {}
-        for r, ks in enumerate(order):
-            p = next((p for p, k in enumerate(ks) if k not in end_k), None)
-            if p is not None:
-                waits[r] = (ks[p], [e.src for e in preds[ks[p]] if e.src not in end_k][:3])
-        raise PlanError(f"the order deadlocks: each rank's next stage and what it waits for: {waits}")
-    bl, fl, seq_l = beg.tolist(), fin.tolist(), seq.tolist()
-    start = {keys[i]: bl[i] for i in seq_l}  # in the order the stages were timed
-    end = {keys[i]: fl[i] for i in seq_l}
-    return Schedule(order=[list(ks) for ks in order], start=start, end=end)
-
-
-def order_peaks(graph: StageGraph, order: Sequence[Sequence[str]]) -> list[tuple[float, int]]:
-    """Per rank, ``(peak bytes of live forward activations, position in the order where it is reached)``: a
-    forward's ``activation_bytes`` are live from its start to the end of its backward (as the simulator counts)."""
-    out = []
-    for ks in order:
-        level, peak, at = 0.0, 0.0, -1
-        for i, k in enumerate(ks):
-            s = graph.stages[k]
-            if s.kind == "F":
-                level += s.activation_bytes
-                if level > peak:
-                    peak, at = level, i
-            else:
-                level -= s.activation_bytes
-        out.append((peak, at))
-    return out
-
-
-def fit_by_recompute(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None],
-                     recompute_cost: Callable[[Stage], tuple], *, uniform: bool = False) -> int:
-    """Switch forward-backward stage pairs of a fixed order to "recompute" until every rank's live activations
-    stay under its limit, as a user of a static schedule turns recompute on to fit (selective: at each rank's peak,
-    the pairs live there that save the most bytes per second of recompute go first).  With ``uniform`` a chunk
-    recomputes for every microbatch or for none (Megatron's ``--recompute-granularity full``: the same layers for
-    all microbatches): at each peak the chunk live there with the most bytes saved per second goes whole.  Updates
-    ``graph``'s stages; returns how many pairs changed.
-
-    Raises:
-        dipc.plan.PlanError: a rank is over its limit with every live pair already recomputed (names the rank, the
-            bytes and the limit).
-    """
-    from ..plan import PlanError
-
-    n = 0
-    while True:
-        peaks = order_peaks(graph, order)
-        over = [(r, p, at) for r, (p, at) in enumerate(peaks) if limits[r] is not None and p > limits[r]]
-        if not over:
-            return n
-        for r, peak, at in over:
-            ks = order[r]
-            done_b = {k for k in ks[:at + 1] if graph.stages[k].kind == "B"}
-            live = [graph.stages[k] for k in ks[:at + 1] if graph.stages[k].kind == "F"
-                    and backward_key(k) not in done_b]
-            cands = []
-            for st in live:
-                opt = recompute_option(recompute_cost, st)
-                if opt[0] < st.activation_bytes:
-                    cands.append(((st.activation_bytes - opt[0]) / max(opt[1] - st.recompute_extra, 1e-12), st, opt))
-            if not cands:
-                raise PlanError(f"rank {r} keeps {peak:.4g} bytes of activations at its peak ({ks[at]}) with every "
-                                f"stage live there recomputed, over its activation budget of {limits[r]:.4g} bytes "
-                                "(the memory limit less the rank's parameters, gradients and optimizer states); give "
-                                "the pipeline more memory, more ranks, or smaller microbatches")
-            excess = peak - limits[r]
-            if uniform:  # the best chunk live at the peak, for all its microbatches
-                by_chunk: dict[int, list] = defaultdict(list)
-                for st in graph.stages.values():
-                    if st.kind == "F" and st.rank == r:
-                        opt = recompute_option(recompute_cost, st)
-                        if opt[0] < st.activation_bytes:
-                            by_chunk[st.chunk].append((st, opt))
-                live_chunks = {c[1].chunk for c in cands}
-                best = max(live_chunks, key=lambda c: sum(st.activation_bytes - o[0] for st, o in by_chunk[c])
-                           / max(sum(o[1] - st.recompute_extra for st, o in by_chunk[c]), 1e-12))
-                for st, opt in by_chunk[best]:
-                    switch_to_recompute(graph, st, *opt)
-                    n += 1
-                continue
-            for _, st, opt in sorted(cands, key=lambda c: -c[0]):
-                excess -= st.activation_bytes - opt[0]
-                switch_to_recompute(graph, st, *opt)
-                n += 1
-                if excess <= 0:
-                    break

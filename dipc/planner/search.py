@@ -17,7 +17,8 @@ import math
 
 from ..plan import PlanError
 from ..stages import StageGraph, copy_stage
-from .schedule import list_schedule, timed_schedule
+from .fitting import timed_schedule
+from .schedule import list_schedule
 from .mcts import SearchResult, mcts
 from .memory import fit_order, optimize_memory
 
