@@ -145,7 +145,8 @@ def test_gap_filling_shortens_the_busiest_ranks_stalls_within_memory_and_keeps_t
     import dipc
     import pipeline_cases as pc
     from dipc.plan import stage_key
-    from dipc.planner.planning import _fill_gaps, activation_budget
+    from dipc.planner.candidates import fill_gaps as _fill_gaps
+    from dipc.planner.planning import activation_budget
     from dipc.runtime import run_local
     from dipc.planner import build_workload, make_plan, split_for
     from dipc.planner.fitting import order_peaks, timed_schedule

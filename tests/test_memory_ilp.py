@@ -403,7 +403,7 @@ def test_one_segment_chunks_recompute_layer_by_layer_and_give_the_unsplit_gradie
     checkpoint, or "recompute:k/k", one checkpoint); the plan fits once simulated and run_local gives the unsplit
     model's loss and gradients, in two batch orders (text-only microbatches first).  The planner's reserve for a
     one-layer-at-a-time rebuild is smaller than for a whole chunk's."""
-    from dipc.planner.planning import _buffer_reserve
+    from dipc.planner.candidates import buffer_reserve as _buffer_reserve
     from dipc.planner import build_workload, memory_options, split_for
 
     torch.manual_seed(0)
@@ -442,7 +442,7 @@ def test_uniform_checkpoint_groups_are_offered_run_with_the_unsplit_gradients_an
     layers than it has is refused before any gradient accumulates (a break-it run found it failing mid-step)."""
     import dataclasses
 
-    from dipc.planner.planning import _buffer_reserve
+    from dipc.planner.candidates import buffer_reserve as _buffer_reserve
     from dipc.runtime import run_local
     from dipc.planner import build_workload, memory_options, split_for
 
@@ -523,7 +523,7 @@ def test_when_only_checkpoint_groups_fit_the_planner_finds_them_and_the_plan_equ
     layouts = {a.strategy: recompute_layout(a.strategy) for _, a in plan.compute_actions()}
     assert any(lay is not None and 2 <= lay[1] < lay[0] for lay in layouts.values()), sorted(layouts)
     with monkeypatch.context() as m:
-        m.setattr(planning, "_group_policies", lambda *a, **k: [])
+        m.setattr(planning, "group_policies", lambda *a, **k: [])
         with pytest.raises(PlanError):
             dipc.simulate(c, b, n, schedule="gpipe", memory_limit=hi)
     _assert_plan_equals_unsplit(model, c, b, n, plan, "gpipe")

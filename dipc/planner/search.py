@@ -81,7 +81,7 @@ def search_priorities(graph: StageGraph, P: int, comm, limits, recompute_cost, b
         ilp: phase 3 by the memory ILP (else the admission's, or the greedy fit's, recompute only).
         window: under a limit, score each permutation as the interleaver's window candidate with this many
             microbatches in flight per rank (the list schedule without a limit, then fitted by recompute - greedy,
-            relaxed, then the ILP - and re-timed: :func:`dipc.planner.planning._interleave`); None: by the
+            relaxed, then the ILP - and re-timed: :func:`dipc.planner.candidates.interleave`); None: by the
             memory-aware admission.  At VLM-M / 16 microbatches the admission is the interleaver's slowest
             candidate (9.64 s against 8.32 s), so a search in it found nothing; in the window family a 20 s search
             finds 8.17 s.
