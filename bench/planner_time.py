@@ -8,7 +8,7 @@ microbatch count, one batch of the paper's mixed image-text distribution is plan
 (``schedule="dip"``, ``budget_s=0``: the interleaver and the per-rank memory ILP, no search), timing each part of
 the per-batch path on one core: the split into microbatches and sub-microbatches, the step's stage graph
 (:func:`dipc.planner.build_workload`), scheduling + memory optimisation + lowering (:func:`dipc.planner.make_plan`
-with ``check=False``), and :func:`dipc.plan.validate`.  The stage count shows how the work grows.  One untimed
+with ``check=False``), and :func:`dipc.validation.validate`.  The stage count shows how the work grows.  One untimed
 plan per setup comes first: a process's one-time costs (imports, HiGHS, caches; ~0.6 s at VLM-L) are paid once
 per background planner, not per batch; as there, the compiled pipeline is frozen out of the garbage
 collector's reach (``gc.freeze()``) first.  This is the time a background planner needs per step (it must stay under
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     import paper
-    from dipc.plan import validate
+    from dipc.validation import validate
     import copy
 
     import dipc

@@ -6,7 +6,8 @@ DESIGN.md for the architecture; ``dipc.compile`` is the entry point.
 from .batch import BatchError, Instances, LossReduction
 from .capture import CaptureError
 from .compiler import CompiledPipeline, Program, compile
-from .plan import Action, Plan, PlanError, TensorSpec, validate
+from .plan import Action, Plan, PlanError, TensorSpec
+from .validation import validate
 from .passes.partition import PartitionError
 from . import launch
 from .sim import DeviceProfile, SimResult, simulate_plan

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dipc
-from dipc.plan import PlanError, validate
+from dipc.plan import PlanError
+from dipc.validation import validate
 from dipc.planner.lowering import lower
 from dipc.planner.schedule import list_schedule
 from dipc.sim.simulate import simulate_plan

@@ -1,10 +1,11 @@
-"""The plan checker (dipc.plan.validate) and the list scheduler on hand-made stage graphs."""
+"""The plan checker (dipc.validation.validate) and the list scheduler on hand-made stage graphs."""
 import dataclasses
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dipc.plan import Action, Plan, PlanError, TensorSpec, validate
+from dipc.plan import Action, Plan, PlanError, TensorSpec
+from dipc.validation import validate
 from dipc.planner.lowering import lower
 from dipc.planner.schedule import list_schedule
 
@@ -186,7 +187,8 @@ def test_lowered_plans_always_validate(p, m, tf, tb):
 def test_validate_refuses_incomplete_plans_and_from_json_malformed_text():
     """A plan missing a backward (or a forward, or a whole microbatch) would run and return a wrong loss: refused."""
     import dataclasses as dc
-    from dipc.plan import Plan, PlanError, validate
+    from dipc.plan import Plan, PlanError
+    from dipc.validation import validate
     from dipc.planner.lowering import lower
     from dipc.planner.schedule import list_schedule
     from stage_graphs import chain_graph

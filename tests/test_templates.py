@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 import dipc
 from dipc.codegen.templates import TEMPLATES, fixed_order, schedules
-from dipc.plan import PlanError, validate
+from dipc.plan import PlanError
+from dipc.validation import validate
 from dipc.planner.fitting import fit_by_recompute, order_peaks, timed_schedule
 from dipc.planner.lowering import lower
 from dipc.sim.simulate import simulate_plan

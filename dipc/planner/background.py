@@ -125,7 +125,7 @@ def planner_cpus(cpus=None) -> set[int] | None:
 
 def _serve(conn, compiled, options: dict) -> None:
     """The planning process's loop (runs after the fork; never returns)."""
-    from ..plan import validate
+    from ..validation import validate
     from .planning import make_plan
     from .workload import build_workload, set_recompute, split_for, step_digest
 

@@ -11,7 +11,8 @@ import math
 import time
 
 from ..codegen.templates import Template, encoder_first_edges, fixed_order, template
-from ..plan import Plan, PlanError, recompute_layout, stage_key, validate
+from ..plan import Plan, PlanError, recompute_layout, stage_key
+from ..validation import validate
 from ..stages import Edge
 from .candidates import (comm_seconds, copy_stages, encoder_first_order, fill_gaps, group_policies, interleave,
                          rebuild_policies, take, virtual_stages)
@@ -85,7 +86,7 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
               memory_limit: float | None = None, schedule: str | Template = "dip", optimizer_states: int = 2,
               budget_s: float = 0.0, seed: int = 0, memory_opt: str = "ilp", static_bytes=None,
               search_workers: int = 1) -> Plan:
-    """Schedule a step and lower it to a plan, checked with :func:`dipc.plan.validate` unless ``check`` is False
+    """Schedule a step and lower it to a plan, checked with :func:`dipc.validation.validate` unless ``check`` is False
     (for callers that validate it themselves).
 
     ``schedule``: a template of :func:`dipc.schedules` (:mod:`dipc.codegen.templates`), by name or as the resolved

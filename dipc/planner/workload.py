@@ -381,7 +381,7 @@ def check_strategies(w: StepWorkload, plan) -> None:
 
 
 def check_matches(compiled, w: StepWorkload, plan) -> None:
-    """Check that ``plan`` is a plan of ``compiled``'s step ``w``, beyond what :func:`dipc.plan.validate` checks (the
+    """Check that ``plan`` is a plan of ``compiled``'s step ``w``, beyond what :func:`dipc.validation.validate` checks (the
     plan's consistency with itself): its chunks live on the ranks of ``compiled``'s partition, it has
     every compute stage of the graph and no other, every message carries exactly the tensors (names, shapes, dtypes)
     that its edge of the graph carries, it has a message for every edge that carries tensors between ranks and none

@@ -7,7 +7,7 @@ For every ``step(batch)`` on every rank of the pipeline group (DESIGN.md "Data f
 2. the stage graph of the step is built: a forward and a backward stage per (chunk, microbatch, sub-microbatch),
    with the named tensors every cross-rank edge carries (shapes evaluated from the capture's symbolic shapes);
 3. rank 0 of the group schedules it (:func:`dipc.planner.schedule.list_schedule`, DIP §2.4), lowers it to a
-   :class:`dipc.plan.Plan`, checks it (:func:`dipc.plan.validate`) and delivers it to every rank through
+   :class:`dipc.plan.Plan`, checks it (:func:`dipc.validation.validate`) and delivers it to every rank through
    ``torch.distributed`` with the step number and a SHA-256 digest that every rank checks (DIP §2.8);
 4. each rank executes its action list with non-blocking point-to-point sends and receives (gloo on CPU, NCCL on GPU:
    the plan posts receives in the order a peer sends); every wait has a timeout;

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..batch import Microbatch
-from ..plan import Plan, PlanError, validate
+from ..plan import Plan, PlanError
+from ..validation import validate
 from ..planner.planning import make_plan
 from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies,
                                 float_digest, set_recompute, split_for, step_digest)

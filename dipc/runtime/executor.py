@@ -11,7 +11,8 @@ from typing import Callable, Mapping
 import torch
 
 from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
-from ..plan import RECVS, SENDS, Plan, PlanError, recompute_layout, stage_key, validate
+from ..plan import RECVS, SENDS, Plan, PlanError, recompute_layout, stage_key
+from ..validation import validate
 from ..stages import Stage
 
 from .messages import _layout, _pack, _status, _unpack

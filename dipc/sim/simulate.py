@@ -28,7 +28,8 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, forward_key, incoming_messages, replay, stage_keys
+from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, forward_key
+from ..validation import incoming_messages, replay, stage_keys
 
 __all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds"]
 
