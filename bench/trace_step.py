@@ -7,7 +7,7 @@ Writes ``gantt_simulated.png``, ``trace_simulated.json``, ``gantt_measured.png``
 microbenchmarks (``dipc.calibrate``, quick) and then on this pipeline itself
 (:func:`dipc.calibrate.fit_pipeline_overheads`, on other batches than the drawn one); the pipeline is re-compiled with
 that profile, so the simulated step is the planner's prediction of the measured one, on the same time scale, for
-the plan both share.  Compute actions are drawn; SEND/RECV postings and waits are the gaps.
+the plan both share.  Compute actions, SEND/RECV postings and waits for messages are drawn (:mod:`dipc.sim.trace`).
 """
 from __future__ import annotations
 

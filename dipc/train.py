@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
+import math
 import os
 import time
 
 import torch
 
-__all__ = ["main", "build"]
+__all__ = ["main", "build", "parse_args"]
 
 
 def build(model: str, seed: int, n_batches: int, batch_size: int):
@@ -106,15 +108,25 @@ def _run(rank: int, world: int, args) -> list:
     return history
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+class _Given(argparse.Action):
+    """Stores the value and notes that the option was given (``args.given``): options that only take effect with
+    another, or only without torchrun, are refused when given in vain."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dipc.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="llava", choices=["llava", "vlm", "t2v"],
                    help="the model to train (docs/user_guide.md: Main job options)")
-    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes) when not under torchrun")
+    p.add_argument("--pp", type=int, default=2, action=_Given,
+                   help="pipeline ranks (processes) when not under torchrun")
     p.add_argument("--steps", type=int, default=30, help="training steps")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step (at most --batch-size)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model and data seed")
     p.add_argument("--save", default=None, help="write the generated chunk sources to this folder")
@@ -123,12 +135,74 @@ def main(argv=None) -> None:
     p.add_argument("--sync-planning", action="store_true",
                    help="plan each step at its start instead of in the background during the previous step")
     p.add_argument("--report", type=int, default=None, metavar="STEP",
-                   help="write this step's measured Gantt chart and Chrome trace to --report-dir")
-    p.add_argument("--report-dir", default="dipc_report", help="folder for --report")
+                   help="write this step's measured Gantt chart and Chrome trace to --report-dir (steps count "
+                        "from 0)")
+    p.add_argument("--report-dir", default="dipc_report", action=_Given,
+                   help="folder for --report (made if missing; its parent folder must exist)")
     p.add_argument("--pin-cpus", action="store_true",
                    help="pin each rank to its own CPU (dipc.launch.pin_rank); rank 0's background planner then runs "
                         "on the other CPUs")
+    return p
+
+
+def _out_folder(p, option: str, path: str) -> None:
+    """``path`` must be a folder that exists or can be made in an existing one, writable either way."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"{option} {path}: a file of that name exists; give a folder")
+    if not os.path.isdir(parent):
+        p.error(f"{option} {path}: the folder {parent} does not exist")
+    here = path if os.path.isdir(path) else parent
+    if not os.access(here, os.W_OK | os.X_OK):
+        p.error(f"{option} {path}: {here} is not writable")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The job's options, checked: a combination that cannot take effect exits with an argparse error (exit code
+    2, naming the option and its value) before any process starts."""
+    p = _parser()
     args = p.parse_args(argv)
+    given = getattr(args, "given", frozenset())
+    args.given = given
+    from dipc.wire import MIN_TIMEOUT
+
+    for opt, v in (("--pp", args.pp), ("--steps", args.steps), ("--batch-size", args.batch_size),
+                   ("--microbatches", args.microbatches)):
+        if v < 1:
+            p.error(f"{opt} must be at least 1, got {v}")
+    if args.microbatches > args.batch_size:
+        p.error(f"--microbatches {args.microbatches} is more than --batch-size {args.batch_size}: a microbatch "
+                "needs at least one sample")
+    if not math.isfinite(args.lr) or args.lr < 0:
+        p.error(f"--lr must be a finite number >= 0, got {args.lr:g}")
+    if not -2 ** 63 <= args.seed <= 2 ** 64 - 2:  # torch.manual_seed's range; the data uses seed + 1
+        p.error(f"--seed must be between -2**63 and 2**64 - 2, got {args.seed}")
+    if not math.isfinite(args.timeout) or args.timeout < MIN_TIMEOUT:
+        p.error(f"--timeout must be a finite number of seconds >= {MIN_TIMEOUT:g}, got {args.timeout:g}")
+    if args.report is not None and not 0 <= args.report < args.steps:
+        p.error(f"--report {args.report} is not a step of this job: --steps {args.steps} runs steps 0 to "
+                f"{args.steps - 1}")
+    if args.report is None and "report_dir" in given:
+        p.error(f"--report-dir {args.report_dir} takes effect only with --report STEP")
+    if args.report is not None:
+        _out_folder(p, "--report-dir", args.report_dir)
+    if args.save is not None:
+        _out_folder(p, "--save", args.save)
+    if args.pin_cpus and not hasattr(os, "sched_setaffinity"):
+        p.error("--pin-cpus needs os.sched_setaffinity (Linux)")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: its world size is the pipeline's
+        world = os.environ["WORLD_SIZE"]
+        if "pp" in given and str(args.pp) != world:
+            p.error(f"--pp {args.pp} does not apply under torchrun, whose WORLD_SIZE is {world} (give "
+                    "--nproc-per-node instead)")
+    if args.model == "llava" and importlib.util.find_spec("transformers") is None:
+        p.error("--model llava needs transformers (pip install -e '.[hf]'); --model vlm and t2v do not")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         from dipc.launch import init_from_env, pin_rank
         import torch.distributed as dist

@@ -206,6 +206,7 @@ def _scenarios(rank, world):
         assert 0 <= sim["bubble_ratio"] < 1 and len(sim["peak_memory"]) == world
         sd = pipe.full_state_dict()
         events = pipe.trace_events()
+        out["trace"] = (events, pipe.last_timing["execute_s"])
         pipe.load_state_dict(sd)  # the checkpoint round trip, still without pickle
         loss = pipe.step(steps[3])
         _compare(pipe, ref, steps[3], loss, rank, "no-pickle step after loading")
@@ -287,10 +288,36 @@ def test_prefetch_copies_each_batch_before_reading_the_next():
     assert got == [(0.0, 1.0), (1.0, 2.0), (2.0, None)], got
 
 @pytest.mark.timeout(300)
-def test_async_planning_fallbacks_and_no_pickle_2_ranks():
+def test_async_planning_fallbacks_and_no_pickle_2_ranks(tmp_path):
     out = spawn(_scenarios, 2, (), timeout=TIMEOUT, pin_cpus=True)
     for label in ("async", "slow", "fail", "killed"):  # every rank ran the same schedules from the same sources
         assert [s[:2] for s in out[0][label]] == [s[:2] for s in out[1][label]], label
+    _check_measured_trace(out, tmp_path)
+
+
+def _check_measured_trace(out, tmp_path):
+    """The measured trace of the no-pickle run's last step (issue "The house": the measured Gantt chart draws
+    sends, receives and waits): every rank's sends, receives and waits on messages are there, with durations >= 0,
+    inside the rank's execution of the step and not overlapping its other events; the Chrome trace gives each its
+    category, and the Gantt chart is drawn."""
+    from dipc.sim.trace import category, chrome_trace, gantt_png
+
+    events = out[0]["trace"][0]
+    assert events == out[1]["trace"][0]  # gathered: the same on every rank
+    for r in (0, 1):
+        mine = sorted((e for e in events if e["rank"] == r), key=lambda e: e["start"])
+        cats = {category(e["kind"]) for e in mine}
+        assert cats == {"compute", "send", "recv", "wait"}, (r, cats)
+        execute_s = out[r]["trace"][1]
+        assert all(0 <= e["start"] <= e["end"] <= execute_s for e in mine), (r, execute_s, mine)
+        for a, b in zip(mine, mine[1:]):
+            assert a["end"] <= b["start"] + 1e-9, (r, a, b)
+        waits = [e for e in mine if e["kind"] == "WAIT"]
+        assert all(e["name"].startswith("wait ") for e in waits), waits
+    cats = {x["cat"] for x in chrome_trace(events)["traceEvents"] if x["ph"] == "X"}
+    assert cats == {"compute", "send", "recv", "wait"}, cats
+    path = gantt_png(events, str(tmp_path / "measured.png"), "measured")
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.timeout(300)

@@ -60,8 +60,14 @@ def test_trace_and_gantt(tmp_path):
     ev = r.events({0: "vision", 1: "text"})
     tr = chrome_trace(ev)
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
-    assert len(xs) == 12 and {e["pid"] for e in xs} == {0, 1}
+    compute = [e for e in xs if e["cat"] == "compute"]
+    assert len(compute) == 12 and {e["pid"] for e in xs} == {0, 1}
     assert xs[0]["ts"] == 0.0 and xs[0]["dur"] == pytest.approx(1e6)
+    # rank 1 waits 1 s for 0F0's output before its first forward; rank 0 2 s for 1B0's gradient before 0B0
+    waits = [(e["pid"], e["name"], e["ts"] / 1e6, e["dur"] / 1e6) for e in xs if e["cat"] == "wait"]
+    assert (1, "wait 1F0", 0.0, pytest.approx(1.0)) in waits and (0, "wait 0B0", 2e6 / 1e6, 2.0) in waits
+    assert all(w[3] > 0 for w in waits)
+    assert {e["args"]["modality"] for e in xs if e["cat"] == "wait"} <= {"vision", "text"}
     json.dumps(tr)
     path = gantt_png(ev, str(tmp_path / "g.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
@@ -224,7 +230,7 @@ def _fit_worker(rank, world):
     # the measured trace of the last step: every rank's actions of the plan, in plan order, with modalities
     ev = pipe.trace_events()
     for r in range(world):
-        mine = [e for e in ev if e["rank"] == r]
+        mine = [e for e in ev if e["rank"] == r and e["kind"] != "WAIT"]
         assert [e["name"] for e in mine] == [str(a) for a in pipe.last_plan.ranks[r]]
         assert all(0 <= e["start"] <= e["end"] for e in mine)
         assert {e["modality"] for e in mine} == {"vision", "text"}

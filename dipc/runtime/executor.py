@@ -62,7 +62,8 @@ class Executor:
     The chunk modules it runs are taken from the step's programs; forward outputs and the detached inputs that
     receive gradients are kept per stage until its backward.  Every action's ``(action, start, end, wait)`` in seconds
     since the step began (``wait``: the part of a compute action spent waiting for its messages) is recorded in
-    :attr:`timeline` for traces and calibration.
+    :attr:`timeline` for traces and calibration, and every wait on a message, ``(receive action, start, end)``
+    (``None`` for the wait on this rank's sends at the end of the step), in :attr:`waits` for traces.
     """
 
     def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict,
@@ -88,6 +89,7 @@ class Executor:
         self.losses: dict[int, torch.Tensor] = {}
         self.timeline: list[tuple] = []  # (action, start, end, seconds of it spent waiting for messages)
         self.wait_s: dict[str, float] = {}
+        self.waits: list[tuple] = []  # (receive action, or None for the sends at finish(), start, end)
         self.posted: set[int] = set()  # message ids sent or whose receive is posted
         self.failure = None
         self.statuses: list[tuple] = []  # CUDA: (status word, action) of received messages, read at finish()
@@ -214,7 +216,9 @@ class Executor:
         t = time.perf_counter()
         for msg in self.inbox.pop(stage, []):
             buf, work, a = self.recv.pop(msg)
+            w0 = time.perf_counter()
             self.tr.wait(work, f"{a} from rank {a.peer_rank}")
+            self.waits.append((a, w0 - self.t0, time.perf_counter() - self.t0))
             st = _status(buf)
             if buf.device.type == "cpu":  # an abort message: the peer (or one before it) failed
                 code = int(st.item())
@@ -370,8 +374,11 @@ class Executor:
 
         Raises:
             _PeerFailed: a message was an abort message (CUDA: its data was garbage and so is this step's)."""
+        w0 = time.perf_counter()
         for work, _ in self.sends:
             self.tr.wait(work, "a send")
+        if self.sends:
+            self.waits.append((None, w0 - self.t0, time.perf_counter() - self.t0))
         self.sends.clear()
         if self.statuses:
             codes = torch.cat([st for st, _ in self.statuses]).cpu().tolist()

@@ -27,7 +27,7 @@ from .checkpoints import CheckpointsMixin
 from .data_parallel import DataParallelMixin
 from .delivery import PlanDeliveryMixin
 from .evaluation import EvaluationMixin
-from .report import StepReport
+from .report import StepReport, measured_events
 
 
 log = logging.getLogger("dipc")
@@ -102,6 +102,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
         self.step_index = 0
         self.last_plan: Plan | None = None
         self.last_timeline: list = []
+        self.last_waits: list = []  # the executor's waits on messages (Executor.waits)
         self.last_timing: dict = {}
         self.last_report: StepReport | None = None
         self.fallbacks = 0  # steps whose background plan missed its deadline, failed or died (DIP §2.2)
@@ -325,16 +326,13 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
 
     # -- step
     def trace_events(self) -> list[dict]:
-        """Every rank's measured actions of the last step, as trace events for :mod:`dipc.sim.trace` (a collective:
-        call it on every rank; JSON on the wire).  Times are seconds from each rank's start of execution (after
-        plan delivery)."""
+        """Every rank's measured actions of the last step, and its waits on messages, as trace events for
+        :mod:`dipc.sim.trace` (:func:`dipc.runtime.report.measured_events`; a collective: call it on every rank;
+        JSON on the wire).  Times are seconds from each rank's start of execution (after plan delivery)."""
         from ..wire import all_gather_json
 
-        mod_of = {c.index: c.modality for c in self.compiled.partition.chunks}
-        mine = []
-        for a, s, e, _ in self.last_timeline:
-            mine.append({"rank": self.rank, "start": s, "end": e, "name": str(a), "kind": a.kind,
-                         "modality": mod_of.get(a.chunk, "")})
+        mine = measured_events(self.rank, self.last_timeline, self.last_waits,
+                               {c.index: c.modality for c in self.compiled.partition.chunks})
         parts = all_gather_json(mine, self.group, self.device, self.timeout, what="trace events")
         return [e for p in parts for e in p]
 
@@ -461,7 +459,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
                 p.grad = g if p.grad is None else g.add_(p.grad)
         t2 = time.perf_counter()
         self.last_plan = plan
-        self.last_timeline = ex.timeline
+        self.last_timeline, self.last_waits = ex.timeline, ex.waits
         self.last_workload = w
         self.last_timing = {"plan_s": t1 - t0, "execute_s": t2 - t1, "step_s": t2 - t0}
         self.last_microbatches = mbs

@@ -1,5 +1,6 @@
-"""What a step did: :class:`StepReport` (``pipe.last_report``), and :func:`prefetch`, the look-ahead that lets the
-background planner plan the next batch while this one runs."""
+"""What a step did: :class:`StepReport` (``pipe.last_report``), :func:`measured_events` (a rank's measured actions
+as trace events), and :func:`prefetch`, the look-ahead that lets the background planner plan the next batch while
+this one runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,6 +80,23 @@ class StepReport:
             parts.append(f"search {self.search.get('rollouts', 0)} rollouts")
         parts.append(f"fallbacks {self.fallbacks}")
         return "  ".join(parts)
+
+
+def measured_events(rank: int, timeline, waits, modality_of) -> list[dict]:
+    """One rank's measured step as trace events for :mod:`dipc.sim.trace` (seconds since its executor started):
+    its actions in plan order (a compute action from the end of its wait for messages to its end; SEND/RECV
+    actions their posting), then each wait on a message as a ``WAIT`` event (``wait <receive>``, or ``wait for
+    sends`` at the end of the step).  ``timeline`` / ``waits``: the executor's (:class:`dipc.runtime.Executor`);
+    ``modality_of``: chunk index -> modality."""
+    out = []
+    for a, s, e, wait in timeline:
+        start = min(s + wait, e) if a.kind in ("F", "B") else s
+        out.append({"rank": rank, "start": start, "end": e, "name": str(a), "kind": a.kind,
+                    "modality": modality_of.get(a.chunk, "")})
+    for a, s, e in waits:
+        out.append({"rank": rank, "start": s, "end": e, "name": "wait for sends" if a is None else f"wait {a}",
+                    "kind": "WAIT", "modality": "" if a is None else modality_of.get(a.chunk, "")})
+    return out
 
 
 class _Lookahead(dict):

@@ -42,6 +42,8 @@ class SimResult:
         iteration_time: seconds from the first action to the last one's end, plus ``epilogue``.
         busy: per rank, ``(start, end, token, kind)`` of each compute action, in seconds.
         comm: per rank, ``(start, end, token, kind)`` of each SEND/RECV posting (empty without ``post_overhead``).
+        waits: per rank, ``(start, end, "wait <compute token>", "WAIT")`` where the rank was free but the compute
+            action due next waited for its messages.
         bubble_ratio: idle share of all ranks over the iteration: ``1 - busy time / (P * iteration_time)``.
         rank_bubble: per rank, its idle share of the iteration.
         peak_memory: per rank, bytes: ``static_bytes`` + the largest sum of live activations.
@@ -62,6 +64,7 @@ class SimResult:
     peak_memory: list[float]
     memory_timeline: list[list[tuple[float, float]]]
     comm: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
+    waits: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
     bound: float = 0.0
     critical_path: float = 0.0
     schedule: str = ""
@@ -127,13 +130,17 @@ class SimResult:
         return "\n".join(lines)
 
     def events(self, modality_of: Mapping[int, str] | None = None) -> list[dict]:
-        """Compute actions as trace events (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``."""
+        """Compute actions, SEND/RECV postings and waits for messages as trace events for :mod:`dipc.sim.trace`
+        (seconds): ``{"rank", "start", "end", "name", "kind", "modality"}``, per rank in time order."""
         out = []
         for r, spans in enumerate(self.busy):
-            for s, e, tok, kind in spans:
-                chunk = int(tok.split(kind)[0]) if kind in tok else -1
+            mine = list(spans) + list(self.comm[r] if r < len(self.comm) else [])
+            mine += self.waits[r] if r < len(self.waits) else []
+            for s, e, tok, kind in sorted(mine, key=lambda x: x[0]):
+                head = tok.split()[-1]  # "wait 3F1.2" -> "3F1.2"
+                digits = head[:len(head) - len(head.lstrip("0123456789"))]
                 out.append({"rank": r, "start": s, "end": e, "name": tok, "kind": kind,
-                            "modality": (modality_of or {}).get(chunk, "")})
+                            "modality": (modality_of or {}).get(int(digits) if digits else -1, "")})
         return out
 
 
@@ -195,6 +202,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     clock = [0.0] * n
     busy: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
     comm: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
+    waits: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
     mem_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
 
     transient = transient_bytes or {}
@@ -228,6 +236,8 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                     sent_at = max(sent_at, posted[m] + rendezvous)
                 ready.append(sent_at + transfer)
             start = max([clock[r]] + ready)
+            if start > clock[r]:
+                waits[r].append((clock[r], start, f"wait {a}", "WAIT"))
             end = start + latency[st]
             busy[r].append((start, end, str(a), a.kind))
             clock[r] = end
@@ -271,7 +281,7 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     critical = _critical_path(plan, latency) + ep
     recomputed = sum(1 for acts in plan.ranks for a in acts if a.kind == "F" and a.strategy != "keep")
     return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
-                     memory_timeline=timelines, comm=comm, bound=bound, critical_path=critical,
+                     memory_timeline=timelines, comm=comm, waits=waits, bound=bound, critical_path=critical,
                      schedule=str((plan.simulated or {}).get("schedule", "")), recomputed=recomputed)
 
 
