@@ -1,15 +1,16 @@
 """Forward-only evaluation of a :class:`dipc.runtime.PipelineRuntime` (a mixin): an evaluation plan, the loss
-with or without labels, and the model's outputs (logits) gathered on the last rank."""
+with or without labels, and the model's outputs (logits) gathered on the last rank.  The plan runs through the same
+"run the plan, exchange status" routine as a training step (:meth:`dipc.runtime.faults.FaultExchangeMixin._run_plan`)."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..planner.workload import StepWorkload
-from .executor import Executor, StepFailed, _modules_of
+from .executor import Executor
 from .transport import TransportError
+
 
 class EvaluationMixin:
     """The runtime's evaluation methods (:mod:`dipc.runtime.evaluation`)."""
@@ -119,28 +120,11 @@ class EvaluationMixin:
             batch, mbs, early, n = self._split(batch, n_microbatches, schedule, not labelled, refused)
             w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True,
                                      tag=f"|outputs:{','.join(keys)}" if keys else "")
-        mbs = w.microbatches
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
-                      yield_after_post=dist.get_backend(self.group) == "gloo")
-        ex.want_outputs = frozenset(keys)
-        failure = None
-        try:
-            with torch.no_grad():
-                ex.run()
-                ex.finish()
-        except BaseException as e:  # noqa: BLE001 - drained: every rank learns of it in the status exchange
-            failure = e
-        local = torch.zeros((), dtype=torch.float64)
-        if failure is None and labelled:
-            local = sum((mbs[m].weight * l.to(torch.float64) for m, l in ex.losses.items() if mbs[m].weight), local)
-        try:
-            loss = self._exchange_status(ex, failure, local).to(torch.float32)
-        except StepFailed as e:
-            if not e.usable:
-                self._broken = f"evaluation at step {self.step_index} ({e})"
-            if failure is not None and not isinstance(failure, Exception):
-                raise failure from None
-            raise
+        def configure(ex: Executor) -> None:
+            ex.want_outputs = frozenset(keys)
+
+        ex, loss = self._run_plan(w, plan, f"evaluation at step {self.step_index}", configure, grad=False,
+                                  labelled=labelled)
         if outputs is None:
             return loss
         try:

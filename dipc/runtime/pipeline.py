@@ -2,7 +2,8 @@
 executor and failure propagation), gradient clipping.  Its collaborators, mixed in, live in their own modules and
 never import this one: plan delivery (:mod:`dipc.runtime.delivery`), evaluation (:mod:`dipc.runtime.evaluation`),
 state dicts and checkpoints (:mod:`dipc.runtime.checkpoints`), data parallelism
-(:mod:`dipc.runtime.data_parallel`); the step report and :func:`prefetch` are :mod:`dipc.runtime.report`'s.
+(:mod:`dipc.runtime.data_parallel`), running a plan and the fault exchange (:mod:`dipc.runtime.faults`: one routine for
+the step and evaluation); the step report and :func:`prefetch` are :mod:`dipc.runtime.report`'s.
 """
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from ..capture import is_meta
 from ..plan import Plan
 from ..wire import MIN_TIMEOUT, sum_over_ranks
 
-from .transport import _DistTransport, TransportError
+from .transport import _DistTransport
 from ..planner.workload import split_for
 from ..planner.planning import check_memory_limit
-from .executor import _PeerFailed, StepFailed, Executor, _modules_of, zero_unreached_grads
+from .executor import Executor, zero_unreached_grads
 from .checkpoints import CheckpointsMixin
 from .data_parallel import DataParallelMixin
 from .delivery import PlanDeliveryMixin
 from .evaluation import EvaluationMixin
+from .faults import FaultExchangeMixin
 from .report import StepReport, measured_events
 
 
@@ -34,7 +36,7 @@ log = logging.getLogger("dipc")
 
 
 
-class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, DataParallelMixin):
+class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, DataParallelMixin, FaultExchangeMixin):
     """One rank's view of a compiled pipeline: its chunk modules, the planner and the executor.
 
     Use ``pipe.parameters()`` for the optimizer and ``loss = pipe.step(batch)`` per training step; the loss is the
@@ -414,31 +416,14 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
         for p, _ in stash:
             p.grad = None
         try:
-            ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device), self.device,
-                          yield_after_post=dist.get_backend(self.group) == "gloo")
-            ex.loss_scale = scale
-            buckets = self._dp_buckets if self.dp_size > 1 else None
-            if buckets is not None:  # data parallel: a bucket's all-reduce starts once its last backward ran
-                buckets.schedule(plan, self.rank, self._dp_reads(w))
-                ex.after_action = buckets.after
-            failure = None
-            try:
-                ex.run()
-                ex.finish()
-            except BaseException as e:  # drained (Executor.run): every rank now learns of it in the status exchange
-                failure = e
-            local = torch.zeros((), dtype=torch.float64)
-            if failure is None:
-                local = sum((mbs[m].weight * l.detach().to(torch.float64) for m, l in ex.losses.items()
-                             if mbs[m].weight), local)  # a weight-0 microbatch's loss is 0/0
-            try:
-                loss = self._exchange_status(ex, failure, local).to(torch.float32)
-            except StepFailed as e:
-                if not e.usable:
-                    self._broken = f"step {self.step_index} ({e})"
-                if failure is not None and not isinstance(failure, Exception):
-                    raise failure from None  # KeyboardInterrupt, SystemExit: the peers got StepFailed, this rank
-                raise                        # gets what it raised
+            def configure(ex: Executor) -> None:
+                ex.loss_scale = scale
+                buckets = self._dp_buckets if self.dp_size > 1 else None
+                if buckets is not None:  # data parallel: a bucket's all-reduce starts once its last backward ran
+                    buckets.schedule(plan, self.rank, self._dp_reads(w))
+                    ex.after_action = buckets.after
+
+            ex, loss = self._run_plan(w, plan, f"step {self.step_index}", configure)
 
             zero_unreached_grads(self.compiled, w, {self.rank})
 
@@ -507,57 +492,7 @@ class PipelineRuntime(PlanDeliveryMixin, EvaluationMixin, CheckpointsMixin, Data
         except Exception as e:  # noqa: BLE001
             return batch, None, e, n
 
-
-
-
     _OUTPUTS_TAG = 1 << 30  # message tag of the evaluation outputs sent to the last rank (after every plan message)
-
-    def _exchange_status(self, ex: Executor, failure: BaseException | None, local_loss: torch.Tensor) -> torch.Tensor:
-        """After the plan ran (or was drained after a failure), one all-reduce sums the ranks' loss shares (float64;
-        returned, 0-dim) and tells every rank whether any rank failed; the first failing rank then broadcasts its
-        action and exception (JSON) and every rank raises the same :class:`StepFailed` (issue "Faults", point 1).
-
-        Raises:
-            StepFailed: some rank failed (``usable`` False when a wait timed out or a connection broke, or the
-                exchange itself failed: a rank died or hangs)."""
-        from ..wire import WireTimeout, wait_work, broadcast_json
-
-        own = failure is not None and not isinstance(failure, _PeerFailed)
-        flag = torch.stack([torch.tensor(float(2 ** self.rank) if own else 0.0, dtype=torch.float64),
-                            torch.tensor(1.0 if isinstance(failure, TransportError) else 0.0, dtype=torch.float64),
-                            local_loss.to("cpu", torch.float64)]).to(self.device)
-        mine = ""
-        if failure is not None:
-            a = ex.failure[0] if ex.failure else "the step's last sends"
-            mine = f"this rank (rank {self.rank}) failed in {a}: {type(failure).__name__}: {failure}; "
-        try:
-            wait_work(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
-                  f"every rank's status after step {self.step_index}")
-        except (WireTimeout, RuntimeError) as e:
-            gone = self._unresponsive()
-            raise StepFailed(f"step {self.step_index}: {mine}the status exchange with the other ranks failed ({e}): "
-                             f"{gone}; the process group cannot run further steps", origin=None,
-                             step=self.step_index, usable=False) from (failure or e)
-        bits, broken = int(flag[0].item()), flag[1].item() > 0
-        if not bits:
-            if failure is not None:  # an abort message but no rank says it failed: cannot happen with dipc's peers
-                raise StepFailed(f"step {self.step_index}: {mine}no rank reported the failure",
-                                 step=self.step_index, usable=False) from failure
-            return flag[2].cpu()
-        origin = (bits & -bits).bit_length() - 1  # the lowest failing rank speaks for all
-        text = None
-        if self.rank == origin:
-            a = ex.failure[0] if ex.failure else "the step's last sends"
-            text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
-        text = broadcast_json(text, origin, self.group, self.device, self.timeout,
-                              what=f"rank {origin}'s failure report of step {self.step_index}")
-        others = [r for r in range(self.world) if bits >> r & 1 and r != origin]
-        more = f" (ranks {others} failed too)" if others else ""
-        state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
-                 "such a pair)" if broken else "the process group can run further steps")
-        raise StepFailed(f"step {self.step_index}: rank {origin} failed in {text['action']}: {text['error']}{more}; "
-                         f"every rank stopped the step and its .grad is as before it; {state}", origin=origin,
-                         action=text["action"], step=self.step_index, usable=not broken) from failure
 
     def close(self) -> None:
         """Stop this rank's background planner, if any (idempotent; the process also exits with this one)."""
