@@ -13,8 +13,7 @@ import torch.fx
 
 from .capture import Capture
 from .passes.cost import node_latency
-from .passes.symcost import CompiledCost, annotate_symbolic_cost, compile_costs
-from .passes.symcost import _Graph as _SymGraph
+from .passes.symcost import CompiledCost, GraphContext, annotate_symbolic_cost, compile_costs
 from .program import Program, _bindings
 
 
@@ -44,7 +43,7 @@ class CostingMixin:
         for n in nodes:
             if n.meta.get("dipc_layer") not in layers:
                 layers.append(n.meta.get("dipc_layer"))
-        ctx = _SymGraph(prog.capture.graph, prog.capture.input_keys)
+        ctx = GraphContext(prog.capture.graph, prog.capture.input_keys)
         stashed: set = set()  # storages already held by an earlier layer's checkpoint (one copy in memory)
         exprs = {}
         for j, v in enumerate(layers):
