@@ -244,6 +244,12 @@ class Plan:
     def n_ranks(self) -> int:
         return len(self.ranks)
 
+    def __repr__(self) -> str:
+        n = sum(len(acts) for acts in self.ranks)
+        sched = self.simulated.get("schedule", "?")
+        return (f"Plan(step={self.step}, schedule={sched!r}, ranks={len(self.ranks)}, actions={n}, "
+                f"microbatches={len(self.microbatches)}; to_text() lists them)")
+
     def to_text(self) -> str:
         """Stable text form: one line per rank, ``rank r: tok tok ...``."""
         return "\n".join(f"rank {r}: " + " ".join(str(a) for a in acts) for r, acts in enumerate(self.ranks))

@@ -25,6 +25,7 @@ import importlib.util
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -53,6 +54,8 @@ def build(model: str, seed: int, n_batches: int, batch_size: int):
 
 
 def _run(rank: int, world: int, args) -> list:
+    if rank != 0:  # every rank meets the same warnings: rank 0 prints them once for the job
+        warnings.filterwarnings("ignore", message="dipc:")
     import dipc
     model, batches = build(args.model, args.seed, args.steps + 1, args.batch_size)
     t0 = time.perf_counter()
@@ -99,7 +102,7 @@ def _run(rank: int, world: int, args) -> list:
             shape = "x".join(str(s) for s in next(iter(batch.values())).shape)
             enc = f" (images {images})  sub-microbatches {subs}" if compiled.batch_spec.instances else ""
             print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)}{enc}  "
-                  f"step {dt * 1e3:.0f} ms | {pipe.last_report.summary()}", flush=True)
+                  f"wall {dt * 1e3:.0f} ms | {pipe.last_report.summary()}", flush=True)
     pipe.close()
     if rank == 0 and len(history) >= 10:
         first = sum(l for l, _ in history[:5]) / 5

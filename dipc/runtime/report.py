@@ -65,15 +65,16 @@ class StepReport:
         return self.simulation
 
     def summary(self) -> str:
-        """One line: the schedule and where its plan came from, planning time on the training thread and in the
-        background planner, predicted vs measured seconds, the simulated bubble ratio when known, fallbacks."""
-        parts = [f"step {self.step}", f"{self.schedule} ({self.plan_source})",
-                 f"plan {self.plan_s * 1e3:.1f} ms"]
+        """One line: the schedule and where its plan came from (``sync``: planned on the training thread; ``async``:
+        by the background planner while the previous step ran; ``fallback``), planning time on the training thread
+        and in the background planner, the plan's predicted step time (the cost model's: nominal 1 TFLOP/s without a
+        device profile) and the measured time of executing it, the simulated bubble ratio when known, fallbacks."""
+        parts = [f"{self.schedule} plan ({self.plan_source})", f"planning on this thread {self.plan_s * 1e3:.1f} ms"]
         if self.planner_s is not None:
-            parts.append(f"planner {self.planner_s * 1e3:.1f} ms ({self.planner_cpu_s * 1e3:.1f} ms CPU)")
+            parts.append(f"in the background {self.planner_s * 1e3:.1f} ms ({self.planner_cpu_s * 1e3:.1f} ms CPU)")
         if self.predicted_s is not None:
             parts.append(f"predicted {self.predicted_s * 1e3:.3f} ms")
-        parts.append(f"measured {self.execute_s * 1e3:.1f} ms")
+        parts.append(f"executed {self.execute_s * 1e3:.1f} ms")
         if self._fetch() is not None:
             parts.append(f"bubble {self.simulation['bubble_ratio']:.1%}")
         if self.search:

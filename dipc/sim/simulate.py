@@ -66,6 +66,11 @@ class SimResult:
     comm: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
     waits: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
     bound: float = 0.0
+
+    def __repr__(self) -> str:
+        peaks = ", ".join(f"{b / 2**20:.3g}" for b in self.peak_memory)
+        return (f"SimResult(iteration_time={self.iteration_time * 1e3:.4g} ms, bubble_ratio={self.bubble_ratio:.1%}, "
+                f"peak_memory=[{peaks}] MiB per rank, ranks={len(self.busy)})")
     critical_path: float = 0.0
     schedule: str = ""
     recomputed: int = 0
