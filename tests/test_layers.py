@@ -11,16 +11,44 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_imports_follow_the_layers(tmp_path):
-    pkg = tmp_path / "dipc"
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+import pytest
+
+
+@pytest.fixture(scope="module")
+def laid_out(tmp_path_factory):
+    """The installed layout in one folder: ``dipc/`` with ``passes/``, ``codegen/`` and ``models/`` inside."""
+    root = tmp_path_factory.mktemp("layout")
+    pkg = root / "dipc"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "passes", "codegen", "models")
     shutil.copytree(os.path.join(ROOT, "dipc"), pkg, ignore=ignore)
     for sub in ("passes", "codegen", "models"):
-        shutil.copytree(os.path.join(ROOT, sub), pkg / sub, ignore=ignore)
+        shutil.copytree(os.path.join(ROOT, sub), pkg / sub, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return root
+
+
+def test_imports_follow_the_layers(laid_out):
     lint = os.path.join(os.path.dirname(sys.executable), "lint-imports")
-    out = subprocess.run([lint, "--config", os.path.join(ROOT, "pyproject.toml"), "--no-cache"], cwd=tmp_path,
-                         env=dict(os.environ, PYTHONPATH=str(tmp_path)), capture_output=True, text=True, timeout=300)
+    out = subprocess.run([lint, "--config", os.path.join(ROOT, "pyproject.toml"), "--no-cache"], cwd=laid_out,
+                         env=dict(os.environ, PYTHONPATH=str(laid_out)), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "1 kept, 0 broken" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+_CYCLES = """
+import grimp, networkx as nx
+g = grimp.build_graph("dipc", include_external_packages=False)
+G = nx.DiGraph([(m, d) for m in g.modules for d in g.find_modules_directly_imported_by(m) if d != m])
+print("\\n".join(" -> ".join(c) for c in nx.simple_cycles(G)))
+"""
+
+
+def test_no_import_cycle(laid_out):
+    """No chain of imports leads from a module back to itself, also within a layer (import-linter's ``layers``
+    contract allows modules of one layer to import each other).  A module importing itself by name (to be pickled
+    by it under ``python -m``) is not a cycle."""
+    out = subprocess.run([sys.executable, "-c", _CYCLES], cwd=laid_out, env=dict(os.environ, PYTHONPATH=str(laid_out)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not out.stdout.strip(), "import cycles:\n" + out.stdout[:3000]
 
 
 def _module_name(path: str) -> str:
