@@ -56,6 +56,11 @@ class Template:
     sub_microbatches: bool
     kind: str
 
+    @property
+    def searches(self) -> bool:
+        """Whether DIP's MCTS search (``budget_s``, §2.3) applies: only to the interleaver's plans."""
+        return self.kind == "interleave"
+
 
 TEMPLATES: dict[str, Template] = {t.name: t for t in [
     Template("gpipe", "GPipe: all forwards, then all backwards (breadth-first over a rank's chunks)", False, "fixed"),

@@ -124,14 +124,14 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     t = schedule if isinstance(schedule, Template) else template(schedule)
-    if budget_s > 0 and t.kind != "interleave":
+    if budget_s > 0 and not t.searches:
         raise ValueError(f"budget_s (the MCTS search) applies to schedule 'dip' only, not to the fixed template "
                          f"{t.name!r}")
     planner = _StepPlanner(compiled, workload, step, t, memory_limit=memory_limit, optimizer_states=optimizer_states,
                            static_bytes=static_bytes, ilp=memory_opt == "ilp", searching=budget_s > 0)
     sched = planner.schedule_under_budgets()
     search = gap_fill = None
-    if t.kind == "interleave" and budget_s > 0:
+    if t.searches and budget_s > 0:
         t_search = time.perf_counter()
         sched, search = planner.search(sched, budget_s, seed, search_workers)
         if planner.limited:  # the rest of the budget: the busiest rank's gaps

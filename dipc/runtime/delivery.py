@@ -32,8 +32,9 @@ class PlanDeliveryMixin:
 
             plan = drop_backwards(make_plan(self.compiled, w, self.step_index, schedule=schedule, check=False))
         else:
-            plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=schedule,
-                             budget_s=self.budget_s if template(schedule).kind == "interleave" else 0.0,
+            t = template(schedule)
+            plan = make_plan(self.compiled, w, self.step_index, memory_limit=self.memory_limit, schedule=t,
+                             budget_s=self.budget_s if t.searches else 0.0,
                              seed=self.seed + self.step_index, check=False)
         validate(plan)  # plan_step writes its JSON text once, and marks it validated by that text's digest
         return plan
@@ -269,7 +270,7 @@ class PlanDeliveryMixin:
                                                               "recompute": self.recompute,
                                                               "cpus": self.planner_cpus})
             weakref.finalize(self, self._planner.close)  # a runtime dropped without close() stops its planner
-        budget = self.budget_s if template(schedule).kind == "interleave" else 0.0
+        budget = self.budget_s if template(schedule).searches else 0.0
         try:  # never raises: this rank's peers already run the step
             if not isinstance(next_batch, Mapping):
                 raise TypeError(f"next_batch must be a mapping like the batch, got {type(next_batch).__name__}")
