@@ -114,10 +114,15 @@ class CostingMixin:
         node_seconds = {}
         for m, ns in by_mod.items():
             values = at.get(m, example)
+            seen: dict = {}  # a repeated block's nodes share their expressions: evaluated once each
             for n in ns:
                 c = n.meta.get("dipc_symcost")
                 if c is not None:
-                    node_seconds[n.name] = float(extra["latency"](c).xreplace(values))
+                    e = extra["latency"](c)
+                    v = seen.get(e)
+                    if v is None:
+                        v = seen[e] = float(e.xreplace(values))
+                    node_seconds[n.name] = v
         return out, latency, node_seconds
 
     def _chunk_costs(self, cap: Capture) -> dict:

@@ -33,6 +33,7 @@ datasheets and are marked ``calibrated: false``; calibrated profiles written by 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -261,24 +262,14 @@ class DeviceProfile:
         Raises:
             ValueError: unknown family.
         """
-        import sympy
-
         a = self.op_alpha.get(op) if op is not None else None
         if a is None:
             a = self.alpha_for(family)
-        a = sympy.Float(a)
-        flops, nbytes, net = sympy.sympify(flops), sympy.sympify(bytes), sympy.sympify(net_bytes)
-        if self.cache_bytes is not None:
-            bw = sympy.Piecewise((sympy.Float(self.cache_bandwidth), nbytes <= self.cache_bytes),
-                                 (sympy.Float(self.mem_bandwidth), True))
-        else:
-            bw = sympy.Float(self.mem_bandwidth)
-        if self.matmul_half_flops and family in _CURVE_FAMILIES and flops != 0:
-            flops = flops + sympy.Float(self.matmul_half_flops * (2 if backward else 1))
-        terms = [a * flops / sympy.Float(self.peak_flops), a * nbytes / bw]
-        if net != 0:
-            terms.append(sympy.Float(self.alpha_for("p2p")) * net / sympy.Float(self.p2p_bandwidth))
-        return sympy.Float(self.overhead(backward)) + sympy.Max(*terms)
+        curve = bool(self.matmul_half_flops) and family in _CURVE_FAMILIES
+        # a model's repeated blocks give the same count expressions layer after layer: built once per distinct key
+        return _latency_expr(float(a), flops, bytes, net_bytes, curve, backward, self.overhead(backward),
+                             self.peak_flops, self.mem_bandwidth, self.cache_bytes, self.cache_bandwidth,
+                             self.matmul_half_flops, self.alpha_for("p2p"), self.p2p_bandwidth)
 
     def overhead(self, backward: bool = False) -> float:
         """Fixed seconds per operator: ``launch_overhead`` in forward; in backward ``backward_overhead`` when set,
@@ -453,3 +444,25 @@ def op_name(op: Any, kwargs: Mapping[str, Any] | None = None) -> str:
     if base == "gelu" and kwargs and kwargs.get("approximate") == "tanh":
         return "gelu_tanh"
     return base
+
+
+@functools.lru_cache(maxsize=65536)
+def _latency_expr(a, flops, nbytes, net, curve, backward, overhead, peak_flops, mem_bandwidth, cache_bytes,
+                  cache_bandwidth, matmul_half_flops, p2p_alpha, p2p_bandwidth):
+    """:meth:`DeviceProfile.op_latency_expr`'s expression from the profile's numbers (memoised: every argument is a
+    float or a sympy expression, hashable)."""
+    import sympy
+
+    a = sympy.Float(a)
+    flops, nbytes, net = sympy.sympify(flops), sympy.sympify(nbytes), sympy.sympify(net)
+    if cache_bytes is not None:
+        bw = sympy.Piecewise((sympy.Float(cache_bandwidth), nbytes <= cache_bytes),
+                             (sympy.Float(mem_bandwidth), True))
+    else:
+        bw = sympy.Float(mem_bandwidth)
+    if curve and flops != 0:
+        flops = flops + sympy.Float(matmul_half_flops * (2 if backward else 1))
+    terms = [a * flops / sympy.Float(peak_flops), a * nbytes / bw]
+    if net != 0:
+        terms.append(sympy.Float(p2p_alpha) * net / sympy.Float(p2p_bandwidth))
+    return sympy.Float(overhead) + sympy.Max(*terms)
