@@ -243,6 +243,28 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                                simulate_steps=simulate_steps, planner_cpus=planner_cpus)
 
 
+def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence[Instances]) -> None:
+    """The instances dipc read from a model's config (:func:`dipc.families._auto_instances`) must fit the example
+    batch (DIP §2.1 cuts encoder work by them).
+
+    Raises:
+        BatchError: they do not (the placeholder tokens do not add up to whole instances): names the value read,
+            the config it came from and the ``Instances(...)`` declaration to write."""
+    for inst in instances:
+        if not inst.present(example) or inst.token_key not in example or inst.token_id is None:
+            continue
+        try:
+            inst.per_sample_counts(example, int(example[inst.token_key].shape[0]))
+        except BatchError as e:
+            tpi = inst.tokens_per_instance if not callable(inst.tokens_per_instance) else "per instance"
+            raise BatchError(
+                f"{e}.  dipc read this from {type(model).__name__}'s config ({tpi} placeholder tokens per "
+                f"{inst.modality} instance, token id {inst.token_id}); if the model's processor lays "
+                f"{inst.modality} inputs out otherwise, declare them: compile(..., instances=[dipc.Instances("
+                f"{inst.modality!r}, {tuple(inst.keys)!r}, token_id={inst.token_id}, tokens_per_instance=<an int, or "
+                "a function of the batch giving each instance's count>)])") from None
+
+
 def _recipe_agrees(model: torch.nn.Module, batch: Mapping[str, Any], loss_key: str) -> bool:
     """Whether to capture ``model`` through its recipe (:mod:`dipc.recipes`): one exists and, run eagerly on the
     example batch (same random state), gives the model's own loss to the bit; a model on the meta device, which
@@ -433,6 +455,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     if instances is None:
         instances = _auto_instances(model, example_batch, sub_microbatch_size)
         auto_b = {i.modality for i in instances} - set(sub_microbatch_size or {})
+        _check_read_instances(model, example_batch, instances)
     elif sub_microbatch_size:
         instances = [dataclasses.replace(i, sub_microbatch_size=sub_microbatch_size.get(i.modality,
                                                                                        i.sub_microbatch_size))

@@ -275,6 +275,11 @@ def test_tokens_per_image_are_read_from_each_familys_config():
 
     ex = batch([1, 2, 0, 1], 30, 0)
     assert _auto_instances(model, ex, None)[0].tokens_per_instance == 8
+    wrong = dict(ex, input_ids=ex["input_ids"].clone())
+    wrong["input_ids"][0, 7:9] = 5  # a processor giving 6 placeholder tokens per image: the read value does not fit
+    with pytest.raises(dipc.BatchError, match=r"dipc read this from Idefics2ForConditionalGeneration's config \(8 "
+                                              r"placeholder tokens per vision instance.*dipc.Instances\('vision'"):
+        dipc.compile(model, wrong, 2)
     local_check(model, dipc.compile(model, ex, 2), batch([0, 0, 1, 2], 32, 1), 2)
 
     def internvl(size, patch):
