@@ -31,6 +31,7 @@ from .program import Program, _check_acyclic, _tied_dims, index_ranges
 from .families import _auto_instances, _loss_from_form
 from .costing import CostingMixin, _param_weights, _state_weights
 from .inspection import InspectionMixin
+from .planner.planning import check_memory_headroom
 from .programs import ProgramCacheMixin
 
 __all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
@@ -54,6 +55,10 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
     ``mode_dependent``: the model has dropout (or a batch norm), so its ``train()`` and ``eval()`` forwards
     differ and :meth:`program_for` keeps a capture per mode.
     """
+
+    #: bytes per device plans leave free under their memory limit (``dipc.compile(..., memory_headroom=)``; None:
+    #: the default of :func:`dipc.planner.planning.headroom_bytes`)
+    memory_headroom: float | None = None
 
     def __init__(self, model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], pp_size: int, *,
                  modalities: Mapping[str, Sequence[str]] | None, chunks_per_rank: Mapping[str, int] | None,
@@ -367,7 +372,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             loss_key: str = "loss", device=None, check: bool | None = None,
             split_points: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
-            tp_size: int = 1, balance: str = "time", one_segment: bool = False) -> CompiledPipeline:
+            tp_size: int = 1, balance: str = "time", one_segment: bool = False,
+            memory_headroom: float | None = None) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -418,6 +424,12 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             multimodal model: the partition of the paper's baselines (with ``balance="params"`` and
             ``chunks_per_rank={"model": v}``: Megatron VPP).  Microbatches still split by whole instances; nothing
             runs on sub-microbatches.  Default False (DIP's modality-aware partition).
+        memory_headroom: bytes per device every plan leaves free under its memory limit, for what the memory model
+            does not count (the allocator's fragmentation, the CUDA context, NCCL's and the kernels' workspaces):
+            a plan's peak plus the headroom stays under the limit.  Default (``None``): 5% of the device profile's
+            ``memory_capacity`` (:data:`dipc.planner.planning.DEFAULT_HEADROOM`) when the limit is that capacity,
+            0 when the runtime or ``dipc.simulate`` is given an explicit ``memory_limit`` (the bytes the plan may
+            use).  Settable later: ``compiled.memory_headroom = bytes``.
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -470,6 +482,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             raise ValueError(f"sub_microbatch_size for {i.modality!r} must be an int >= 1, got {b!r}")
     if isinstance(loss, str) and loss not in ("token_mean", "sample_mean", "sum"):
         raise ValueError(f"loss must be 'token_mean', 'sample_mean', 'sum' or a dipc.LossReduction, got {loss!r}")
+    check_memory_headroom(memory_headroom)
     if isinstance(device, str):
         from .sim.device import DeviceProfile
         device = DeviceProfile.load(device)
@@ -479,6 +492,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 split_points=split_points, shared_keys=tuple(shared_keys),
                                 static_keys=tuple(static_keys), tp_size=tp_size, balance=balance,
                                 one_segment=bool(one_segment))
+    compiled.memory_headroom = memory_headroom
     if compiled.check:
         check_pipeline(compiled, example_batch)
     return compiled

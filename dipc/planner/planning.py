@@ -22,8 +22,8 @@ from .memory import apply_option, optimize_memory
 from .schedule import list_schedule
 from .workload import StepWorkload, _input_bytes, gc_paused, memory_options
 
-__all__ = ["make_plan", "activation_budget", "check_memory_limit", "with_plan_strategies", "SEARCH_SHARE",
-           "MEMORY_ATTEMPTS"]
+__all__ = ["make_plan", "activation_budget", "check_memory_limit", "check_memory_headroom", "headroom_bytes",
+           "with_plan_strategies", "SEARCH_SHARE", "MEMORY_ATTEMPTS", "DEFAULT_HEADROOM"]
 
 #: share of ``budget_s`` MCTS gets under a memory limit; the rest fills the busiest rank's gaps
 #: (:func:`dipc.planner.candidates.fill_gaps`)
@@ -52,17 +52,55 @@ def check_memory_limit(memory_limit) -> float | None:
     return float(memory_limit)
 
 
+#: the share of a device profile's ``memory_capacity`` plans leave free by default (DIP §2.5 plans to the device's
+#: memory; the allocator's fragmentation, the CUDA context and NCCL's buffers take a few GB of an 80 GB GPU)
+DEFAULT_HEADROOM = 0.05
+
+
+def check_memory_headroom(memory_headroom) -> float | None:
+    """``memory_headroom`` as a float, or None.
+
+    Raises:
+        ValueError: not None and not a finite number >= 0 of bytes (names the value).
+    """
+    if memory_headroom is None:
+        return None
+    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+            or not math.isfinite(memory_headroom) or memory_headroom < 0:
+        raise ValueError(f"memory_headroom must be a finite number of bytes per device >= 0 (or None for the "
+                         f"default), got {memory_headroom!r}")
+    return float(memory_headroom)
+
+
+def headroom_bytes(compiled, memory_limit: float | None = None) -> float:
+    """Bytes per device a plan leaves free under its limit: ``compiled.memory_headroom`` when set, else
+    :data:`DEFAULT_HEADROOM` of the device profile's ``memory_capacity`` when the limit is that capacity
+    (``memory_limit`` None), else 0 (an explicit ``memory_limit`` is what the plan may use).
+
+    Raises:
+        ValueError: a bad ``compiled.memory_headroom`` (:func:`check_memory_headroom`).
+    """
+    given = check_memory_headroom(getattr(compiled, "memory_headroom", None))
+    if given is not None:
+        return given
+    dev = compiled.device
+    if memory_limit is None and dev is not None and dev.memory_capacity is not None:
+        return DEFAULT_HEADROOM * dev.memory_capacity
+    return 0.0
+
+
 def activation_budget(compiled, memory_limit: float | None = None, optimizer_states: int = 2,
                       static_bytes=None) -> list[float | None]:
     """Per rank, the bytes of activations a plan may keep live: ``memory_limit`` (bytes per device; default the
-    device profile's ``memory_capacity``) less the rank's static bytes (parameters, gradients and
-    ``optimizer_states`` optimizer tensors per parameter, :meth:`dipc.CompiledPipeline.rank_state_bytes`; the
-    runtime budgets for AdamW's 2; ``static_bytes``: per rank, given instead); ``None`` per rank when neither is
-    known.
+    device profile's ``memory_capacity``) less the headroom left free (:func:`headroom_bytes`) and less the rank's
+    static bytes (parameters, gradients and ``optimizer_states`` optimizer tensors per parameter,
+    :meth:`dipc.CompiledPipeline.rank_state_bytes`; the runtime budgets for AdamW's 2; ``static_bytes``: per rank,
+    given instead); ``None`` per rank when neither limit is known.
 
     Raises:
-        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`) or ``optimizer_states`` (not an int >= 0).
-        PlanError: a rank's static bytes alone exceed the limit.
+        ValueError: a bad ``memory_limit`` (:func:`check_memory_limit`), ``memory_headroom`` or ``optimizer_states``
+            (not an int >= 0).
+        PlanError: a rank's static bytes and the headroom alone exceed the limit.
     """
     dev = compiled.device
     memory_limit = check_memory_limit(memory_limit)
@@ -71,13 +109,15 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
     cap = memory_limit if memory_limit is not None else (dev.memory_capacity if dev is not None else None)
     if cap is None:
         return [None] * compiled.pp_size
+    room = headroom_bytes(compiled, memory_limit)
     static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
     out = []
     for r, st in enumerate(static):
-        if st > cap:
-            raise PlanError(f"rank {r} holds {st:.4g} bytes of parameters, gradients and optimizer states, over the "
-                            f"memory limit of {cap:.4g} bytes before any activation")
-        out.append(cap - st)
+        if st + room > cap:
+            extra = f" and the headroom of {room:.4g} bytes (memory_headroom)" if room else ""
+            raise PlanError(f"rank {r} holds {st:.4g} bytes of parameters, gradients and optimizer states{extra}, "
+                            f"over the memory limit of {cap:.4g} bytes before any activation")
+        out.append(cap - room - st)
     return out
 
 
