@@ -1,6 +1,6 @@
 """The README's table of supported model families, generated from the tests' results.
 
-``python bench/support_table.py --run`` runs ``tests/test_hf_models.py`` with ``DIPC_SUPPORT_TABLE`` set, so the
+``python bench/support_table.py --run`` runs ``tests/models/test_hf_models.py`` with ``DIPC_SUPPORT_TABLE`` set, so the
 tests write their results (status, largest gradient difference against the unsplit model, compile seconds, captures
 made) to ``docs/hf_support.json``; then (and without ``--run``, from the existing file) it renders the table into
 README.md between the ``<!-- support-table -->`` markers and prints it.
@@ -64,13 +64,13 @@ def render(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", action="store_true", help="run tests/test_hf_models.py first (about 3-4 minutes)")
+    ap.add_argument("--run", action="store_true", help="run tests/models/test_hf_models.py first (about 3-4 minutes)")
     args = ap.parse_args()
     if args.run:
         if os.path.exists(RESULTS):
             os.remove(RESULTS)
         env = dict(os.environ, DIPC_SUPPORT_TABLE=RESULTS)
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_hf_models.py"], cwd=ROOT, env=env,
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/models/test_hf_models.py"], cwd=ROOT, env=env,
                        check=True)
     results = json.load(open(RESULTS))
     table = render(results)

@@ -1,9 +1,16 @@
-"""Test-suite settings: every dipc.compile in the tests (and in the ranks they spawn, which inherit the
+"""Test-suite settings.  Every dipc.compile in the tests (and in the ranks they spawn, which inherit the
 environment) runs in debug mode, comparing each capture and the partitioned pipeline with the eager model
 (dipc.check)."""
 import os
+import sys
 
 os.environ.setdefault("DIPC_CHECK", "1")
+# the tests mirror the packages (tests/ir, capture, passes, sim, planner, runtime, models); the models and batches
+# they share (pipeline_cases, hf_cases, zoo_cases, stage_graphs) stay here, importable from every folder and by the
+# ranks the tests spawn (which inherit sys.path)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 import pytest  # noqa: E402
 

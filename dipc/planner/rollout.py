@@ -17,7 +17,7 @@ rollout at VLM-L / 64 microbatches, then three Python loops over them (~140 ms a
 
 These are the kernels the object code calls too (:func:`dipc.planner.schedule.list_schedule`,
 :func:`dipc.planner.memory.optimize_memory`, :func:`dipc.planner.fitting.timed_schedule`), so a score is that code's to
-the last bit (``tests/test_rollout.py`` compares them on random permutations).  Where the object code would take
+the last bit (``tests/planner/test_rollout.py`` compares them on random permutations).  Where the object code would take
 another path - the ILP leaves a rank unsolved or misses its 5% gap (the greedy fit, branch and bound) -
 :meth:`Rollouts.score` returns None and the caller scores that permutation the object way.  The schedule of the
 best permutation is always rebuilt by the object code.

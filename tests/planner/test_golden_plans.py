@@ -2,17 +2,17 @@
 
 Like torch.distributed.pipelining's golden schedule tests: each template of :func:`dipc.schedules` plans one fixed
 step of each fixture in :data:`FIXTURES` with :func:`dipc.simulate`, and the plan's text form
-(:meth:`dipc.plan.Plan.to_text`, one line per rank) must equal ``tests/golden/<fixture>_<template>.txt`` byte for
+(:meth:`dipc.plan.Plan.to_text`, one line per rank) must equal ``tests/planner/golden/<fixture>_<template>.txt`` byte for
 byte.
 
 The goldens pin the planner's output.  A refactor of the planner (moving code between modules, making
 ``make_plan`` a sequence of named steps, ...) must leave every file unchanged.  A change that is meant to change
 plans (a new heuristic, a cost-model or profile fix, a new template) regenerates them with::
 
-    DIPC_REGEN_GOLDEN=1 python -m pytest -q tests/test_golden_plans.py
+    DIPC_REGEN_GOLDEN=1 python -m pytest -q tests/planner/test_golden_plans.py
 
 which rewrites the files instead of comparing (and removes goldens no fixture and template names any more); review
-``git diff tests/golden`` and explain in the commit message why the plans changed.  A mismatch fails with a
+``git diff tests/planner/golden`` and explain in the commit message why the plans changed.  A mismatch fails with a
 unified diff of the first differing actions (one action per diff line, ``rank r: token``) and this command
 (``-p no:logging`` leaves out the torch.export trace records pytest captures after it).
 
@@ -48,7 +48,7 @@ import pipeline_cases as pc
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 REGEN = os.environ.get("DIPC_REGEN_GOLDEN") == "1"
-REGEN_CMD = "DIPC_REGEN_GOLDEN=1 python -m pytest -q tests/test_golden_plans.py"
+REGEN_CMD = "DIPC_REGEN_GOLDEN=1 python -m pytest -q tests/planner/test_golden_plans.py"
 DIFF_LINES = 60
 
 #: fixture -> how it is compiled and which step it plans

@@ -26,7 +26,7 @@ import dipc
 from dipc.capture import capture
 from dipc.passes.symcost import SymCost, annotate_symbolic_cost, compile_costs, compile_groups, recompute
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline_cases import vlm_batch  # noqa: E402
 
 aten = torch.ops.aten
@@ -450,7 +450,7 @@ def test_vlm_l_widths_on_meta():
 
 @pytest.mark.skipif(not os.environ.get("DIPC_SLOW"), reason="full VLM-L capture takes ~1 min; set DIPC_SLOW=1")
 def test_vlm_l_full_bench():
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
     from vlm_l_costing import bench_vlm_l
     res = bench_vlm_l()
     assert res["evaluations"] > 0

@@ -177,7 +177,7 @@ def test_every_template_gives_the_unsplit_gradients(p):
     """Every template on 2, 3 and 4 ranks, in two batch orders (text-only microbatches first), microbatch counts
     divisible by P and not: all ranks in one process (run_local executes the plan in a feasible global order, as
     validate proves); the multi-process executor runs templates on 2 ranks below, and 4 ranks in
-    tests/test_pipeline.py and tests/test_zoo.py."""
+    tests/runtime/test_pipeline.py and tests/models/test_zoo.py."""
     torch.manual_seed(0)
     model = pc.vlm(False, 2 * p, 2 * p)
     c = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), p, sub_microbatch_size={"vision": 1})

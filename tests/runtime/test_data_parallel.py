@@ -158,7 +158,7 @@ def _mesh(rank, world):
 
 _MAIN = """
 import json, os, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {shared!r}]
 import torch
 torch.set_num_threads(1)
 from test_data_parallel import _mesh
@@ -183,7 +183,8 @@ def _torchrun(tmp_path, nprocs):
     from dipc.launch import free_port
 
     main = tmp_path / "dp_main.py"
-    main.write_text(_MAIN.format(tests=os.path.dirname(__file__), out=str(tmp_path)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    main.write_text(_MAIN.format(tests=here, shared=os.path.dirname(here), out=str(tmp_path)))
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(main)],

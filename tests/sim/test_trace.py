@@ -1,6 +1,6 @@
 """The Gantt chart and Chrome trace of a step (dipc.sim.trace): sends, receives and waits as categories of their
 own, and labels only where they fit (issue "The house").  The measured events of a real 2-rank step are checked in
-tests/test_async_planning.py (``_check_measured_trace``, on the run that already gathers them)."""
+tests/runtime/test_async_planning.py (``_check_measured_trace``, on the run that already gathers them)."""
 import itertools
 
 import pytest

@@ -71,7 +71,7 @@ def test_reference_diffusion_2_ranks():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.slow  # default-suite time: tests/test_hf_models.py's LLaVA case re-captures image counts too
+@pytest.mark.slow  # default-suite time: tests/models/test_hf_models.py's LLaVA case re-captures image counts too
 def test_hf_llava_2_ranks_recaptures_image_counts():
     """Through dipc.prefetch: steps whose look-ahead needs a capture the background planner lacks are planned by
     the training process (which captures), the others in the background; every step exact either way."""
