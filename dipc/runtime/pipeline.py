@@ -298,8 +298,28 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
 
     _OUTPUTS_TAG = 1 << 30  # message tag of the evaluation outputs sent to the last rank (after every plan message)
 
+    #: seconds :meth:`close` waits for the other ranks of the pipeline at most
+    CLOSE_WAIT_S = 60.0
+
     def close(self) -> None:
-        """Stop this rank's background planner, if any (idempotent; the process also exits with this one)."""
+        """Stop this rank's background planner, if any, then wait until every rank of the pipeline has closed too
+        (at most :attr:`CLOSE_WAIT_S` seconds, or the runtime's ``timeout`` if shorter), so that no rank tears its
+        process group down (``destroy_process_group``, or its exit) while a peer is still closing: like
+        ``destroy_process_group``, call it on every rank.  The wait is skipped once the process group broke (a
+        :class:`StepFailed` with ``usable=False``); a wait that fails or times out is logged, not raised.
+        Idempotent."""
         if self._planner is not None:
             self._planner.close()
             self._planner = None
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self._broken or not dist.is_initialized() or self.world == 1:
+            return
+        from ..wire import WireTimeout, wait_work
+
+        try:
+            wait_work(dist.barrier(group=self.group, async_op=True), min(self.timeout, self.CLOSE_WAIT_S),
+                      "every rank's close()")
+        except (WireTimeout, RuntimeError) as e:
+            log.warning("dipc: rank %d: close() did not meet every rank of the pipeline: %s", self.rank, e)
