@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .plan import Plan
 from .planner.planning import make_plan
-from .planner.workload import build_workload, set_recompute, split_for
+from .planner.options import set_recompute
+from .planner.workload import build_workload, split_for
 from .sim.simulate import SimResult, simulate_workload
 
 __all__ = ["simulate"]

@@ -127,7 +127,8 @@ def _serve(conn, compiled, options: dict) -> None:
     """The planning process's loop (runs after the fork; never returns)."""
     from ..validation import validate
     from .planning import make_plan
-    from .workload import build_workload, set_recompute, split_for, step_digest
+    from .workload import build_workload, split_for, step_digest
+    from .options import set_recompute
 
     code = 0
     try:

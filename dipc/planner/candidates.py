@@ -17,7 +17,8 @@ from ..stages import Edge, StageGraph, copy_stage
 from .fitting import order_peaks, timed_schedule
 from .memory import copy_strategies, fit_order, optimize_memory
 from .schedule import list_schedule
-from .workload import StepWorkload, _input_bytes, group_rebuild_need, rebuild_need
+from .workload import StepWorkload
+from .options import _input_bytes, group_rebuild_need, rebuild_need
 
 __all__ = ["virtual_stages", "encoder_first_order", "fill_gaps", "comm_seconds", "copy_stages", "buffer_reserve",
            "rebuild_policies", "group_policies", "take", "interleave", "WINDOWS", "REBUILD_POLICIES"]
@@ -157,10 +158,10 @@ def buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
     ``policy`` "whole": a whole chunk rebuilt at once ("recompute" keeps only the chunk's inputs, its backward
     rebuilds all it did not keep), on every rank where that leaves activation memory (``budgets``: the limit less
     the static state, bytes); "layer" (and "whole" where a whole rebuild does not fit): the largest
-    one-layer-at-a-time rebuild (per-layer recompute of every layer, :func:`dipc.planner.workload.rebuild_need`);
+    one-layer-at-a-time rebuild (per-layer recompute of every layer, :func:`dipc.planner.options.rebuild_need`);
     "group:<g>": the largest rebuild of all layers in checkpoints of g
-    (:func:`dipc.planner.workload.group_rebuild_need`, Megatron's uniform method); only strategies rebuilding at
-    most the allowance are offered (``options``: forward -> :func:`dipc.planner.workload.memory_options`; without
+    (:func:`dipc.planner.options.group_rebuild_need`, Megatron's uniform method); only strategies rebuilding at
+    most the allowance are offered (``options``: forward -> :func:`dipc.planner.options.memory_options`; without
     them, the "whole" allowance).
 
     Raises:

@@ -20,7 +20,8 @@ from .fitting import fit_by_recompute, timed_schedule
 from .lowering import lower
 from .memory import apply_option, optimize_memory
 from .schedule import list_schedule
-from .workload import StepWorkload, _input_bytes, gc_paused, memory_options
+from .workload import StepWorkload, gc_paused
+from .options import _input_bytes, memory_options
 
 __all__ = ["make_plan", "activation_budget", "check_memory_limit", "check_memory_headroom", "headroom_bytes",
            "with_plan_strategies", "SEARCH_SHARE", "MEMORY_ATTEMPTS", "DEFAULT_HEADROOM"]
@@ -412,7 +413,7 @@ class _StepPlanner:
 
 def with_plan_strategies(w: StepWorkload, plan: Plan) -> StepWorkload:
     """``w`` with every forward-backward pair at the memory strategy ``plan`` gives its forward (bytes kept,
-    backward seconds and rebuild from :func:`dipc.planner.workload.memory_options`), for simulating a plan on a
+    backward seconds and rebuild from :func:`dipc.planner.options.memory_options`), for simulating a plan on a
     workload other than the one it was made on: a rank that received its plan built its own workload, whose
     stages are still at "keep", so its step report read the plan's peak memory as if nothing recomputed.  Returns
     ``w`` itself when its stages already agree; else a copy (``w`` is not changed).  A pair whose stage is not at

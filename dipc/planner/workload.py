@@ -8,7 +8,6 @@ import dataclasses
 import json
 import functools
 import gc
-from typing import Callable
 
 import torch
 
@@ -277,88 +276,6 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                         amp=amp)
 
 
-def set_recompute(w: StepWorkload, which: Callable[[Stage], bool] | bool = True) -> int:
-    """Give the forward-backward stage pairs ``which`` selects (a predicate on the forward :class:`Stage`, or all)
-    the "recompute" memory strategy: the forward then keeps only its inputs (their bytes become its
-    ``activation_bytes``) and the backward runs it again (its latency grows by the forward's).  Megatron's
-    ``--recompute-granularity full``, per stage.  Returns how many pairs changed."""
-    n = 0
-    for k, st in w.graph.stages.items():
-        if st.kind != "F" or st.strategy == "recompute" or not (which is True or (callable(which) and which(st))):
-            continue
-        b = w.graph.stages[backward_key(k)]
-        kept = _input_bytes(w, k)
-        st.keep_bytes, st.recompute_extra, st.forced = st.activation_bytes, st.latency, True
-        for x in (st, b):
-            x.strategy = "recompute"
-            x.activation_bytes = kept
-        b.latency += st.latency
-        n += 1
-    return n
-
-
-def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, float]]:
-    """The memory strategies forward ``fk``'s pair may take (DESIGN.md "Memory"; DIP §2.5's per-layer
-    candidates): ``(strategy, bytes per GPU its forward keeps until the backward, seconds its backward grows by,
-    bytes per GPU its backward holds again while it recomputes)`` for "keep", "recompute:k" for every k in
-    1 .. layers (each of the chunk's first k layers is its own activation checkpoint: it keeps its inputs instead of
-    its saved bytes, its forward seconds join the backward, and the backward rebuilds one layer at a time, the
-    largest of them at its peak), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
-    chunk's inputs, and the backward rebuilds all k at once), "recompute:n/g" for g = 2, 4, 8, ... < n layers (all of them in
-    checkpoints of g consecutive layers, Megatron's ``--recompute-method uniform --recompute-num-layers g``: it keeps
-    each checkpoint's input, and the backward rebuilds one checkpoint at a time, the largest at its peak) and
-    "recompute" (the whole chunk as one region: its inputs only are kept, and the backward rebuilds all of it at
-    once).  Per-layer seconds and bytes come from the compiled per-layer costs on
-    the device profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split
-    evenly over its layers, each reading as much as the chunk's inputs.  The forward must still be at "keep"."""
-    st = w.graph.stages[fk]
-    if st.strategy != "keep":
-        raise PlanError(f"memory options of {fk} are taken from its 'keep' costs; it is at {st.strategy!r}")
-    prog = w.programs[fk]
-    cm = prog.chunks[st.chunk]
-    keep, f_lat = st.activation_bytes, st.latency
-    inputs = _input_bytes(w, fk)
-    out = [("keep", keep, 0.0, 0.0)]
-    blocks = prog.block_costs(st.chunk, w.bindings[fk])
-    if blocks is None:
-        n = max(cm.n_layers, 1)
-        blocks = [(1.0 / n, keep / n, inputs)] * n
-    total_f = sum(b[0] for b in blocks) or 1.0
-    done_f, done_a, held, rebuild, kept_after = 0.0, 0.0, 0.0, 0.0, sum(b[1] for b in blocks)
-    for k in range(1, len(blocks) + 1):
-        f, a, i = blocks[k - 1]
-        done_f += f
-        done_a += a
-        kept_after -= a
-        held += i
-        rebuild = max(rebuild, a)
-        out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), f_lat * done_f / total_f,
-                    min(rebuild, keep)))
-        if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
-            out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f,
-                        min(done_a, keep)))
-    n = len(blocks)
-    g = 2
-    while g < n:  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
-        groups = [blocks[s:s + g] for s in range(0, n, g)]
-        out.append((f"recompute:{n}/{g}", min(keep, sum(grp[0][2] for grp in groups)), f_lat,
-                    min(max(sum(b[1] for b in grp) for grp in groups), keep)))
-        g *= 2
-    if inputs < keep:
-        out.append(("recompute", inputs, f_lat, keep - inputs))
-    return out
-
-
-def rebuild_need(options) -> float:
-    """Bytes a pair's backward must be able to rebuild when it recomputes in the least memory that rebuilds one
-    layer at a time: the rebuild of its last per-layer option ("recompute:<all layers>") of
-    :func:`memory_options`, or, without one, of its whole-chunk "recompute" (0 when it has neither)."""
-    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0]]
-    if per_block:
-        return per_block[-1][3]
-    return max((o[3] for o in options if o[0] == "recompute"), default=0.0)
-
-
 def check_strategies(w: StepWorkload, plan) -> None:
     """Check that every compute action's memory strategy can run on its chunk as this step captured it: a
     "recompute:k" or "recompute:k/g" recomputes at most the chunk's layers (:attr:`ChunkModule.n_layers`).  Run
@@ -432,39 +349,6 @@ def check_matches(compiled, w: StepWorkload, plan) -> None:
         if (not fwd or e.src[0] == "F") and e.src not in plan.deps.get(e.dst, ()):
             raise PlanError(f"stage {e.dst} depends on stage {e.src} in this step's stage graph, but not in the "
                             "plan's deps")
-
-
-def group_rebuild_need(options, g: int) -> float:
-    """Bytes a pair's backward must be able to rebuild when all its ``n`` layers recompute in checkpoints of
-    ``min(g, n)`` layers ("recompute:n/g" of :func:`memory_options`; g = 1 is :func:`rebuild_need`); a pair
-    without per-layer options falls back to :func:`rebuild_need`."""
-    n = max((recompute_layout(o[0])[0] for o in options if o[0] != "recompute"), default=0)
-    if g <= 1 or n == 0:
-        return rebuild_need(options)
-    layout = (n, min(g, n))
-    return next((o[3] for o in options if o[0] != "recompute" and recompute_layout(o[0]) == layout),
-                rebuild_need(options))
-
-
-def _input_bytes(w: StepWorkload, fk: str) -> float:
-    """Bytes per GPU of a forward stage's inputs: the values it receives and the batch keys it reads (divided by
-    the cost model's ``tp_size``: with sequence parallelism each GPU of a stage keeps its shard)."""
-    prog = w.programs[fk]
-    st = w.graph.stages[fk]
-    cm = prog.chunks[st.chunk]
-    total = 0.0
-    for inp in cm.inputs:
-        if inp.kind == "batch":
-            v = w.data[fk][inp.key]
-            total += v.numel() * v.element_size()
-        elif inp.kind == "value":
-            for pk, pname in w.wiring[fk][inp.name]:
-                meta = w.programs[pk].chunks[w.graph.stages[pk].chunk].output_meta[pname]
-                n = 1
-                for d in meta.concrete_shape(w.bindings[pk]):
-                    n *= d
-                total += n * meta.dtype.itemsize
-    return total / w.tp_size
 
 
 def workload_digest(w: StepWorkload) -> str:

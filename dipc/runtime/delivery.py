@@ -16,7 +16,8 @@ from ..plan import Plan, PlanError
 from ..validation import validate
 from ..planner.planning import make_plan
 from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies,
-                                float_digest, set_recompute, split_for, step_digest)
+                                float_digest, split_for, step_digest)
+from ..planner.options import set_recompute
 
 log = logging.getLogger("dipc")
 

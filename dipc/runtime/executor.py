@@ -18,7 +18,8 @@ from ..stages import Stage
 from .messages import _layout, _pack, _status, _unpack
 from .transport import _completed, _LocalTransport
 from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies, dtype_name,
-                                set_recompute, split_for)
+                                split_for)
+from ..planner.options import set_recompute
 from ..planner.planning import make_plan
 
 
