@@ -66,7 +66,8 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
                  shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1,
-                 balance: str = "time", one_segment: bool = False):
+                 balance: str = "time", one_segment: bool = False, progress: bool | None = None):
+        self._progress = _Progress(progress)
         self.model = model
         self.one_segment = one_segment
         self.check = check and not is_meta(model)
@@ -89,8 +90,10 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self.static_keys = list(static_keys)
         self.use_recipe = _recipe_agrees(model, example_batch, loss_key)
         cap = self._capture(example_batch, first=True)
+        self._progress.done("capture (torch.export)")
         if self.check:
             check_capture(model, cap, example_batch, loss_key=loss_key)
+            self._progress.done("check of the capture against the model")
         self.loss_form = loss_form(cap.graph, cap.loss_node, cap.input_keys)
         if loss is None and self.loss_form.uncertain:
             warnings.warn(f"dipc: {type(model).__name__}: {self.loss_form.note}", stacklevel=3)
@@ -169,7 +172,9 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self.mode_dependent = _mode_dependent(model) or _has_dropout(cap.graph)
         self._example_batch = example_batch
         self._modes_seen = {model.training}
+        self._progress.done("passes (modality, cost, partition)")
         self.program = self._program_from(cap)
+        self._progress.done("codegen (chunk modules)")
         _check_acyclic(self.program, self.partition)
         self.programs: list[Program] = [self.program]
         self._check_sub_microbatching(self.program)
@@ -246,6 +251,54 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
                                simulate_steps=simulate_steps, planner_cpus=planner_cpus)
+
+
+#: seconds after which ``dipc.compile(..., progress=None)`` starts printing its phases
+PROGRESS_AFTER_S = 3.0
+
+
+class _Progress:
+    """Phase timer of one compile: ``done(phase)`` records the seconds since the last mark and, when ``progress``
+    says so, prints them (stderr, rank 0 only); ``finish()`` returns ``{phase: seconds, "total": seconds}``."""
+
+    def __init__(self, progress: bool | None):
+        import time
+
+        self._time = time.perf_counter
+        self.start = self.last = self._time()
+        self.progress = progress
+        self.seconds: dict[str, float] = {}
+        self.printed = False
+
+    def _show(self) -> bool:
+        if self.progress is False:
+            return False
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+            return False
+        return self.progress is True or self._time() - self.start >= PROGRESS_AFTER_S
+
+    def done(self, phase: str) -> None:
+        now = self._time()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+        if self._show():
+            import sys
+
+            if not self.printed:  # the phases before the first printed one
+                for p, t in list(self.seconds.items())[:-1]:
+                    print(f"dipc.compile: {p} {t:.1f} s", file=sys.stderr, flush=True)
+            print(f"dipc.compile: {phase} {self.seconds[phase]:.1f} s", file=sys.stderr, flush=True)
+            self.printed = True
+
+    def finish(self) -> dict[str, float]:
+        out = dict(self.seconds, total=self._time() - self.start)
+        if self.printed:
+            import sys
+
+            print(f"dipc.compile: total {out['total']:.1f} s", file=sys.stderr, flush=True)
+        return out
 
 
 def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence[Instances]) -> None:
@@ -373,7 +426,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             split_points: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
             tp_size: int = 1, balance: str = "time", one_segment: bool = False,
-            memory_headroom: float | None = None) -> CompiledPipeline:
+            memory_headroom: float | None = None, progress: bool | None = None) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -430,6 +483,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             ``memory_capacity`` (:data:`dipc.planner.planning.DEFAULT_HEADROOM`) when the limit is that capacity,
             0 when the runtime or ``dipc.simulate`` is given an explicit ``memory_limit`` (the bytes the plan may
             use).  Settable later: ``compiled.memory_headroom = bytes``.
+        progress: print each phase's seconds (capture, passes, codegen, checks) and the total to stderr, on rank 0
+            of the default process group (or without one): ``True`` always, ``False`` never, ``None`` (default) once
+            the compile has taken :data:`PROGRESS_AFTER_S` seconds.  The seconds are also in
+            ``compiled.compile_seconds`` (phase -> seconds, and ``"total"``).
         check: debug mode (:mod:`dipc.check`): compare each capture, and the partitioned pipeline on the example
             batch, with the eager model (loss and every parameter gradient) in this process, and raise at the first
             difference.  Default: on when the environment variable ``DIPC_CHECK`` is ``1`` (the test suite sets
@@ -491,8 +548,10 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
                                 static_keys=tuple(static_keys), tp_size=tp_size, balance=balance,
-                                one_segment=bool(one_segment))
+                                one_segment=bool(one_segment), progress=progress)
     compiled.memory_headroom = memory_headroom
     if compiled.check:
         check_pipeline(compiled, example_batch)
+        compiled._progress.done("check of the pipeline against the model")
+    compiled.compile_seconds = compiled._progress.finish()
     return compiled

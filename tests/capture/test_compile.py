@@ -216,3 +216,18 @@ def test_bad_options_are_named():
                                                "text": ["language_model"], "audio": ["audio_tower"]})
     with pytest.raises(dipc.CaptureError, match="torch.export could not trace ReferenceVLM"):
         dipc.compile(model, {k: v for k, v in ex.items() if k != "labels"}, 2)
+
+
+def test_compile_reports_its_phases(capsys):
+    """Long work shows progress: ``progress=True`` prints each phase's seconds and the total on stderr (the default
+    prints them once a compile has taken ``PROGRESS_AFTER_S``; ``False`` never), and ``compile_seconds`` keeps
+    them."""
+    torch.manual_seed(0)
+    c = dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, check=False, progress=True)
+    err = capsys.readouterr().err
+    for phase in ("capture (torch.export)", "passes (modality, cost, partition)", "codegen (chunk modules)", "total"):
+        assert f"dipc.compile: {phase} " in err, err
+        assert phase in c.compile_seconds
+    assert c.compile_seconds["total"] >= sum(v for k, v in c.compile_seconds.items() if k != "total") * (1 - 1e-9)
+    dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, check=False, progress=False)
+    assert "dipc.compile" not in capsys.readouterr().err
