@@ -275,7 +275,10 @@ class _Progress:
             return False
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_rank() != 0:
+                return False
+        elif os.environ.get("RANK", "0") != "0":  # under torchrun, compiled before init_process_group
             return False
         return self.progress is True or self._time() - self.start >= PROGRESS_AFTER_S
 
@@ -540,6 +543,9 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
     if isinstance(loss, str) and loss not in ("token_mean", "sample_mean", "sum"):
         raise ValueError(f"loss must be 'token_mean', 'sample_mean', 'sum' or a dipc.LossReduction, got {loss!r}")
     check_memory_headroom(memory_headroom)
+    if progress is not None and not isinstance(progress, bool):
+        raise ValueError(f"progress must be True, False or None (print phases once a compile is slow), got "
+                         f"{progress!r}")
     if isinstance(device, str):
         from .sim.device import DeviceProfile
         device = DeviceProfile.load(device)

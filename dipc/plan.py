@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Iterable, NewType
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "check_types", "StageKey", "stage_key", "backward_key",
@@ -109,7 +110,8 @@ def stage_key(kind: str, chunk: int, mb: int, sub: int) -> StageKey:
 
 
 def backward_key(key: str) -> StageKey:
-    """The key of the backward paired with stage ``key`` (``F:3:1:-1`` -> ``B:3:1:-1``; a backward's own key)."""
+    """The key of the backward paired with stage ``key`` (``F:3:1:-1`` -> ``B:3:1:-1``; a backward's own key).
+    Unchecked (the planner's inner loops call it): ``key`` must be a stage key (:func:`parse_stage_key` checks)."""
     return StageKey("B" + key[1:])
 
 
@@ -129,13 +131,14 @@ def parse_stage_key(key: str) -> tuple[str, int, int, int]:
     Raises:
         ValueError: ``key`` is not ``"<F|B>:<int>:<int>:<int>"``.
     """
-    parts = key.split(":")
-    if len(parts) != 4 or parts[0] not in ("F", "B"):
-        raise ValueError(f"not a stage key: {key!r} (expected 'F:chunk:mb:sub' or 'B:chunk:mb:sub')")
-    try:
-        return parts[0], int(parts[1]), int(parts[2]), int(parts[3])
-    except ValueError:
-        raise ValueError(f"not a stage key: {key!r} (chunk, microbatch and sub-microbatch must be integers)") from None
+    m = _STAGE_KEY.fullmatch(key) if isinstance(key, str) else None
+    if m is None:
+        raise ValueError(f"not a stage key: {key!r} (expected 'F:<chunk>:<mb>:<sub>' or 'B:<chunk>:<mb>:<sub>', "
+                         "decimal integers, sub -1 for the whole microbatch)")
+    return m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+
+
+_STAGE_KEY = re.compile(r"([FB]):(0|[1-9][0-9]*):(0|[1-9][0-9]*):(-1|0|[1-9][0-9]*)", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True, init=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import time
 
 from ..codegen.templates import Template, encoder_first_edges, fixed_order, template
@@ -46,7 +47,7 @@ def check_memory_limit(memory_limit) -> float | None:
 
     if memory_limit is None:
         return None
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float)) \
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real) \
             or not math.isfinite(memory_limit) or memory_limit <= 0:
         raise ValueError(f"memory_limit must be a finite number of bytes per device > 0 (or None for the device "
                          f"profile's capacity), got {memory_limit!r}")
@@ -66,7 +67,7 @@ def check_memory_headroom(memory_headroom) -> float | None:
     """
     if memory_headroom is None:
         return None
-    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, (int, float)) \
+    if isinstance(memory_headroom, bool) or not isinstance(memory_headroom, numbers.Real) \
             or not math.isfinite(memory_headroom) or memory_headroom < 0:
         raise ValueError(f"memory_headroom must be a finite number of bytes per device >= 0 (or None for the "
                          f"default), got {memory_headroom!r}")
@@ -115,9 +116,9 @@ def activation_budget(compiled, memory_limit: float | None = None, optimizer_sta
     out = []
     for r, st in enumerate(static):
         if st + room > cap:
-            extra = f" and the headroom of {room:.4g} bytes (memory_headroom)" if room else ""
-            raise PlanError(f"rank {r} holds {st:.4g} bytes of parameters, gradients and optimizer states{extra}, "
-                            f"over the memory limit of {cap:.4g} bytes before any activation")
+            extra = f" and keeps {room:.6g} bytes free (memory_headroom)" if room else ""
+            raise PlanError(f"rank {r} holds {st:.6g} bytes of parameters, gradients and optimizer states{extra}, "
+                            f"over the memory limit of {cap:.6g} bytes before any activation")
         out.append(cap - room - st)
     return out
 
@@ -198,6 +199,8 @@ class _StepPlanner:
         T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
         self.comm = comm_seconds(dev, T) if dev is not None else None
         self.limits = activation_budget(compiled, memory_limit, optimizer_states, static_bytes)
+        room = headroom_bytes(compiled, memory_limit) if any(x is not None for x in self.limits) else 0.0
+        self.headroom_note = f" and the {room:.4g} bytes memory_headroom keeps free" if room else ""
         self.static = list(static_bytes) if static_bytes is not None else compiled.rank_state_bytes(optimizer_states)
         self.graph = workload.graph
         self.P = compiled.pp_size
@@ -321,7 +324,8 @@ class _StepPlanner:
                 r = short[0]
                 errors.append(PlanError(
                     f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes (the memory "
-                    f"limit less its static state) is under the {reserve[r]:.4g} bytes its largest stage's transient, "
+                    f"limit less its static state{self.headroom_note}) is under the {reserve[r]:.4g} bytes its "
+                    "largest stage's transient, "
                     "the activations a recomputing backward rebuilds and its message buffers need"))
                 continue
             take(graph, self.pristine)

@@ -53,7 +53,7 @@ class EvaluationMixin:
             failure inside the plan.
         """
         if self.dp_size == 1:
-            return self._eval_step(batch, n_microbatches, schedule, outputs)
+            return self._tracked(lambda: self._eval_step(batch, n_microbatches, schedule, outputs))
 
         def run():
             self._dp_begin_step(batch, training=False)
@@ -65,7 +65,7 @@ class EvaluationMixin:
                 self._dp_finish(torch.zeros(()), grads=False)
                 return None, values
             return self._dp_finish(loss, grads=False), values
-        return self._dp_guard(run)
+        return self._tracked(lambda: self._dp_guard(run))
 
     def _eval_request(self, batch, outputs) -> tuple[tuple[str, ...], Mapping, bool]:
         """``(output keys, batch, labelled)`` for :meth:`eval_step`: the keys checked, and a batch without labels

@@ -193,13 +193,23 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         scale = 1.0 if scaler is None else float(scaler.scale(torch.ones((), device=self.device)))
         if not 0 < scale < math.inf:
             raise ValueError(f"the scaler's scale must be a finite number > 0, got {scale!r}")
-        if self.dp_size == 1:
-            return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
-
         def run():
-            self._dp_begin_step(batch, training=True, scale=scale)
+            if self.dp_size > 1:
+                self._dp_begin_step(batch, training=True, scale=scale)
             return self._step(batch, n_microbatches, schedule, next_batch, plan, scale)
-        return self._dp_guard(run)
+        return self._tracked(run if self.dp_size == 1 else lambda: self._dp_guard(run))
+
+    def _tracked(self, fn):
+        """``fn()``, remembering whether it raised (:meth:`close` does not wait for peers after a failed step: a
+        peer may never come) and that the runtime is in use again after a :meth:`close`."""
+        self._closed = False
+        try:
+            out = fn()
+        except BaseException:
+            self._last_failed = True
+            raise
+        self._last_failed = False
+        return out
 
     def _step(self, batch, n_microbatches, schedule, next_batch, plan, scale: float = 1.0) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -305,16 +315,16 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         """Stop this rank's background planner, if any, then wait until every rank of the pipeline has closed too
         (at most :attr:`CLOSE_WAIT_S` seconds, or the runtime's ``timeout`` if shorter), so that no rank tears its
         process group down (``destroy_process_group``, or its exit) while a peer is still closing: like
-        ``destroy_process_group``, call it on every rank.  The wait is skipped once the process group broke (a
-        :class:`StepFailed` with ``usable=False``); a wait that fails or times out is logged, not raised.
-        Idempotent."""
+        ``destroy_process_group``, call it on every rank.  The wait is skipped when the last step or evaluation
+        raised (a peer may never come) or the process group broke; a wait that fails or times out is logged, not
+        raised.  Idempotent; a step after it uses the runtime again (and a later ``close()`` waits again)."""
         if self._planner is not None:
             self._planner.close()
             self._planner = None
         if getattr(self, "_closed", False):
             return
         self._closed = True
-        if self._broken or not dist.is_initialized() or self.world == 1:
+        if self._broken or getattr(self, "_last_failed", False) or not dist.is_initialized() or self.world == 1:
             return
         from ..wire import WireTimeout, wait_work
 

@@ -231,3 +231,5 @@ def test_compile_reports_its_phases(capsys):
     assert c.compile_seconds["total"] >= sum(v for k, v in c.compile_seconds.items() if k != "total") * (1 - 1e-9)
     dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, check=False, progress=False)
     assert "dipc.compile" not in capsys.readouterr().err
+    with pytest.raises(ValueError, match="progress must be True, False or None"):
+        dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, progress="no")

@@ -266,3 +266,14 @@ def test_lowered_plans_validate_alike_without_the_type_check_and_carry_no_per_st
     for obj, field in ((a, "mb"), (T[0], "shape")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, field, 3)
+
+
+def test_stage_keys_are_built_and_parsed_strictly():
+    from dipc.plan import backward_key, forward_key, paired_key, parse_stage_key, stage_key
+
+    k = stage_key("F", 3, 1, -1)
+    assert k == "F:3:1:-1" and parse_stage_key(k) == ("F", 3, 1, -1)
+    assert backward_key(k) == "B:3:1:-1" and forward_key(backward_key(k)) == k and paired_key(paired_key(k)) == k
+    for bad in ("F: 1:2:3", "F:1_0:2:3", "F:+1:2:3", "F:01:2:3", "X:1:2:3", "F:1:2:-2", "F:1:2", "", 3, None):
+        with pytest.raises(ValueError, match="not a stage key"):
+            parse_stage_key(bad)

@@ -36,7 +36,7 @@ def test_the_default_headroom_is_a_share_of_the_capacity_and_none_under_an_expli
         assert activation_budget(c) == pytest.approx([cap - 2e8 - s for s in static])
         assert activation_budget(c, 1e9) == pytest.approx([1e9 - 2e8 - s for s in static])
         c.memory_headroom = 1e9 - min(static) + 1  # nothing left for activations: named
-        with pytest.raises(PlanError, match=r"rank \d holds .* and the headroom of .* \(memory_headroom\), over the "
+        with pytest.raises(PlanError, match=r"rank \d holds .* and keeps .* bytes free \(memory_headroom\), over the "
                                             r"memory limit of 1e\+09 bytes"):
             activation_budget(c, 1e9)
     finally:
@@ -53,6 +53,13 @@ def test_the_default_headroom_is_a_share_of_the_capacity_and_none_under_an_expli
         assert max(res.peak_memory) + h <= limit * (1 + 1e-9)
         seen.append(plan.simulated["recomputed"])
     assert seen[1] > seen[0], seen
+    import numpy as np
+
+    c.memory_headroom = np.int64(1000)  # numbers of any real type
+    try:
+        assert activation_budget(c, 1e9) == pytest.approx([1e9 - 1000 - s for s in static])
+    finally:
+        c.memory_headroom = None
     for bad in (-1.0, math.nan, math.inf, "1GB", True):
         with pytest.raises(ValueError, match="memory_headroom must be a finite number of bytes"):
             dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, memory_headroom=bad)
