@@ -312,7 +312,8 @@ def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence
         BatchError: they do not (the placeholder tokens do not add up to whole instances): names the value read,
             the config it came from and the ``Instances(...)`` declaration to write."""
     for inst in instances:
-        if not inst.present(example) or inst.token_key not in example or inst.token_id is None:
+        if not inst.present(example) or inst.token_key not in example or inst.token_id is None \
+                or example[inst.token_key].is_meta:  # a meta batch (paper scale) has shapes, not token values
             continue
         try:
             inst.per_sample_counts(example, int(example[inst.token_key].shape[0]))

@@ -233,3 +233,16 @@ def test_compile_reports_its_phases(capsys):
     assert "dipc.compile" not in capsys.readouterr().err
     with pytest.raises(ValueError, match="progress must be True, False or None"):
         dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, progress="no")
+
+
+def test_a_meta_model_and_batch_compile_with_instances_read_from_the_config():
+    """Paper-scale models compile on the meta device with a meta example batch: shapes without token values, so
+    the instances read from the config are not checked on its placeholder tokens (there are none to count)."""
+    from dipc.models import VLMConfig
+    from dipc.models.configs import build_on_meta
+    from dipc.models.data import vlm_batches
+
+    cfg = VLMConfig.tiny()
+    batch = {k: torch.empty_like(v, device="meta") for k, v in next(iter(vlm_batches(cfg, 1, 4, seed=0))).items()}
+    c = dipc.compile(build_on_meta(cfg), batch, 2, device="h100", check=False, progress=False)
+    assert [i.modality for i in c.batch_spec.instances] == ["vision"]
