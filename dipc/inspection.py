@@ -148,13 +148,17 @@ class InspectionMixin:
                          f"K_i={part.chunks_per_rank[m]} chunk(s) per rank{b}, est. forward "
                          f"{node_latency(part.module_cost[m]) * 1e3:.3f} ms")
         dev_col = f" {'F+B ms on ' + self.device.name:>16}" if self.chunk_seconds else ""
-        lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'seg':>3} {'params':>12} "
+        lines.append("  (K_i: chunks of the modality per rank; B_i: instances per sub-microbatch; segment: the pipeline "
+                     "pass of its modality the chunk is in (its position // P); est. ms: the nominal estimate at 1 TFLOP/s"
+                     + (f"; F+B ms: forward + backward on the {self.device.name} profile" if self.chunk_seconds else "")
+                     + ")")
+        lines.append(f"{'chunk':>5} {'rank':>4} {'modality':>12} {'segment':>7} {'params':>12} "
                      f"{'GFLOP':>9} {'est. ms':>8}{dev_col}  blocks (module calls)")
         for c in part.chunks:
             names = part.chunk_blocks(c.index)
             blocks = f"{names[0]} .. {names[-1]} ({len(names)})" if len(names) > 1 else names[0]
             n_params = sum(self._state[n].numel() for n in set(self.chunk_params(c.index)))
-            lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>3} {n_params:>12,} "
+            lines.append(f"{c.index:>5} {c.rank:>4} {c.modality:>12} {c.segment:>7} {n_params:>12,} "
                          f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}"
                          + (f" {self.chunk_seconds.get(c.index, 0.0) * 1e3:>16.4f}" if self.chunk_seconds else "")
                          + f"  {blocks}")
