@@ -195,8 +195,10 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
 
         Args:
             group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
-            mesh: instead of ``group``, a 2-D ``torch.distributed.device_mesh.DeviceMesh`` ``[dp, pp]`` (dims named
-                "dp" and "pp", or in that order): data parallelism x pipeline parallelism.  Each data-parallel
+            mesh: instead of ``group``, a ``torch.distributed.device_mesh.DeviceMesh`` whose dims are named "pp" and
+                optionally "dp", in any order (an unnamed 2-D mesh is read as ``[dp, pp]``, an unnamed 1-D one as
+                ``[pp]``): data parallelism x pipeline parallelism.  Any other dim name is refused, "tp" included
+                (the runtime does not run tensor parallelism yet).  Each data-parallel
                 replica is a pipeline of ``pp_size`` ranks with its own batch and its own planner; after each step
                 the replicas' gradients are all-reduced in buckets of ``bucket_mb`` MiB, weighted so they equal the
                 unsplit model's on the replicas' concatenated batch (see :class:`dipc.runtime.PipelineRuntime`).
@@ -234,18 +236,20 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 ``planner_cpus`` not a non-empty set of this host's CPU numbers.
         """
         from .runtime import PipelineRuntime
+        if self.tp_size != 1:
+            raise ValueError(f"the pipeline was compiled with tp_size={self.tp_size}: tensor parallelism is modelled by "
+                             "the cost model and the simulator only, and the runtime runs each stage on one device; "
+                             "compile with tp_size=1 (the default) to train")
         dp_group = None
         if mesh is not None:
             if group is not None:
                 raise ValueError("give the pipeline's group or a [dp, pp] mesh, not both")
-            names = tuple(mesh.mesh_dim_names or ())
-            if mesh.ndim != 2:
-                raise ValueError(f"mesh must be 2-D [dp, pp], got {mesh.ndim} dims {names}")
-            dp_dim, pp_dim = (names.index("dp"), names.index("pp")) if {"dp", "pp"} <= set(names) else (0, 1)
+            pp_dim, dp_dim = _mesh_dims(mesh)
             if mesh.size(pp_dim) != self.pp_size:
                 raise ValueError(f"the mesh's pp dim has {mesh.size(pp_dim)} ranks but the pipeline was compiled for "
                                  f"pp_size={self.pp_size}")
-            group, dp_group = mesh.get_group(pp_dim), mesh.get_group(dp_dim)
+            group = mesh.get_group(pp_dim)
+            dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
@@ -302,6 +306,28 @@ class _Progress:
 
             print(f"dipc.compile: total {out['total']:.1f} s", file=sys.stderr, flush=True)
         return out
+
+
+def _mesh_dims(mesh) -> tuple[int, int | None]:
+    """``(pp dim, dp dim or None)`` of a device mesh given to :meth:`CompiledPipeline.runtime`, read by the dims'
+    names ("pp", "dp"), or by position when the mesh has none (``[dp, pp]``, ``[pp]``).
+
+    Raises:
+        ValueError: a mesh of more than 2 dims, a named mesh without "pp", or a dim named otherwise ("tp":
+            tensor parallelism, which the runtime does not run yet), naming the dims.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh must be [pp] or [dp, pp], got {mesh.ndim} dims {names}")
+    if not names:
+        return (0, None) if mesh.ndim == 1 else (1, 0)
+    other = [n for n in names if n not in ("dp", "pp")]
+    if "tp" in other:
+        raise ValueError(f"the mesh's dims {names} ask for tensor parallelism ('tp'), which the runtime does not run "
+                         "yet (tp_size is for the cost model only): give a mesh of 'dp' and 'pp' dims")
+    if other or "pp" not in names or len(set(names)) != len(names):
+        raise ValueError(f"the mesh's dims must be named 'pp' and optionally 'dp', got {names}")
+    return names.index("pp"), (names.index("dp") if "dp" in names else None)
 
 
 def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence[Instances]) -> None:

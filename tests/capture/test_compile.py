@@ -246,3 +246,30 @@ def test_a_meta_model_and_batch_compile_with_instances_read_from_the_config():
     batch = {k: torch.empty_like(v, device="meta") for k, v in next(iter(vlm_batches(cfg, 1, 4, seed=0))).items()}
     c = dipc.compile(build_on_meta(cfg), batch, 2, device="h100", check=False, progress=False)
     assert [i.modality for i in c.batch_spec.instances] == ["vision"]
+
+
+def test_meshes_are_read_by_their_dim_names_and_tensor_parallelism_is_refused():
+    """A mesh is read by its dims' names ("pp", "dp"; by position only when unnamed); a "tp" dim, or a pipeline
+    compiled with tp_size > 1, is refused before any process group is touched (the runtime does not run tensor
+    parallelism yet; before, a ("pp", "tp") mesh trained silently as two data-parallel replicas)."""
+    from types import SimpleNamespace
+
+    from dipc.compiler import _mesh_dims
+
+    def mesh(names, ndim=None):
+        return SimpleNamespace(mesh_dim_names=names, ndim=ndim or len(names))
+
+    assert _mesh_dims(mesh(("dp", "pp"))) == (1, 0) and _mesh_dims(mesh(("pp", "dp"))) == (0, 1)
+    assert _mesh_dims(mesh(("pp",))) == (0, None)
+    assert _mesh_dims(mesh(None, 2)) == (1, 0) and _mesh_dims(mesh(None, 1)) == (0, None)
+    with pytest.raises(ValueError, match=r"ask for tensor parallelism \('tp'\)"):
+        _mesh_dims(mesh(("pp", "tp")))
+    for names in (("dp", "tp"), ("x", "pp"), ("dp", "dp"), ("dp",)):
+        with pytest.raises(ValueError, match="mesh"):
+            _mesh_dims(mesh(names))
+    with pytest.raises(ValueError, match="3 dims"):
+        _mesh_dims(mesh(("dp", "pp", "tp")))
+    torch.manual_seed(0)
+    c = dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2, check=False)
+    with pytest.raises(ValueError, match="compiled with tp_size=2: tensor parallelism is modelled"):
+        c.runtime(n_microbatches=2)
