@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
 from .capture import is_meta
 from .check import check_capture, check_pipeline
 from .passes.cost import annotate_cost
-from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path
+from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path, rule_modality
 from .passes.checks import place_checks
 from .passes.lossform import loss_form
 from .passes.partition import Partition, PartitionError, partition
@@ -41,7 +44,6 @@ ONE_SEGMENT = "model"
 
 
 def _rule_hit(node, rules) -> bool:
-    from .passes.modality import rule_modality
     return rule_modality(module_path(node), rules, True) is not None
 
 
@@ -266,8 +268,6 @@ class _Progress:
     says so, prints them (stderr, rank 0 only); ``finish()`` returns ``{phase: seconds, "total": seconds}``."""
 
     def __init__(self, progress: bool | None):
-        import time
-
         self._time = time.perf_counter
         self.start = self.last = self._time()
         self.progress = progress
@@ -277,8 +277,6 @@ class _Progress:
     def _show(self) -> bool:
         if self.progress is False:
             return False
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             if dist.get_rank() != 0:
                 return False
@@ -291,8 +289,6 @@ class _Progress:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
         self.last = now
         if self._show():
-            import sys
-
             if not self.printed:  # the phases before the first printed one
                 for p, t in list(self.seconds.items())[:-1]:
                     print(f"dipc.compile: {p} {t:.1f} s", file=sys.stderr, flush=True)
@@ -302,8 +298,6 @@ class _Progress:
     def finish(self) -> dict[str, float]:
         out = dict(self.seconds, total=self._time() - self.start)
         if self.printed:
-            import sys
-
             print(f"dipc.compile: total {out['total']:.1f} s", file=sys.stderr, flush=True)
         return out
 

@@ -120,6 +120,7 @@ class EvaluationMixin:
             batch, mbs, early, n = self._split(batch, n_microbatches, schedule, not labelled, refused)
             w, plan = self.plan_step(mbs, schedule, batch, early=early, forward_only=True,
                                      tag=f"|outputs:{','.join(keys)}" if keys else "")
+
         def configure(ex: Executor) -> None:
             ex.want_outputs = frozenset(keys)
 

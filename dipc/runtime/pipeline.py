@@ -110,6 +110,8 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         self.last_report: StepReport | None = None
         self.fallbacks = 0  # steps whose background plan missed its deadline, failed or died (DIP §2.2)
         self._broken = ""  # where the process group broke (a StepFailed with usable=False)
+        self._last_failed = False  # the last step or evaluation raised (close() then does not wait for peers)
+        self._closed = False
         self._planner = None  # rank 0's BackgroundPlanner, started by the first step given a next batch
         self._plan_info: dict = {}
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not 0 < bucket_mb < math.inf:
@@ -321,10 +323,10 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         if self._planner is not None:
             self._planner.close()
             self._planner = None
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
-        if self._broken or getattr(self, "_last_failed", False) or not dist.is_initialized() or self.world == 1:
+        if self._broken or self._last_failed or not dist.is_initialized() or self.world == 1:
             return
         from ..wire import WireTimeout, wait_work
 
