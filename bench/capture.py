@@ -7,7 +7,7 @@ spent in them (``torch.export``), and the mean step time of the first (cold) pas
 Then ``dipc.compile`` of the paper's VLM-S, VLM-M, VLM-L and T2V-S on the meta device (bf16, the paper's PP/TP, the
 H800 profile), seconds.
 
-    python bench/capture.py [--batches 20] [--models llava,llava_onevision,qwen2_vl] [--paper vlm_s,...] [--out F]
+    python bench/capture.py [--batches 20] [--models llava,llava_onevision,qwen2_vl,qwen2_5_vl] [--paper vlm_s,...] [--out F]
 
 Prints a Markdown table (and writes it to ``--out``).  Timings are this machine's (2 shared cores here): compare
 the ratios within one run.
@@ -49,9 +49,12 @@ def _stream(name: str, n: int):
         batches = [hf_vlm.llava_onevision_batch(c, 24 * max(c) + 8, i) for i, c in enumerate(counts)]
         return (hf_vlm.tiny_llava_onevision(0), batches,
                 {"instances": hf_vlm.llava_onevision_instances(sub_microbatch_size=4)})
-    if name == "qwen2_vl":
-        batches = [hf_vlm.qwen2_vl_batch(c, 20 * max(c) + 8, i) for i, c in enumerate(counts)]
-        return hf_vlm.tiny_qwen2_vl(0), batches, {}
+    if name in ("qwen2_vl", "qwen2_5_vl"):  # images of 16x16, 16x24 and 24x32 px: 4, 6 and 12 tokens
+        cfg = hf_vlm.tiny_qwen2_vl_config() if name == "qwen2_vl" else hf_vlm.tiny_qwen2_5_vl_config()
+        batches = [hf_vlm.qwen2_vl_batch(c, 14 * max(c) + 8, i, config=cfg,
+                                         image_hw=((16, 16), (16, 24), (24, 32))) for i, c in enumerate(counts)]
+        build = hf_vlm.tiny_qwen2_vl if name == "qwen2_vl" else hf_vlm.tiny_qwen2_5_vl
+        return build(0), batches, {"sub_microbatch_size": {"vision": 4}}
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -101,7 +104,7 @@ def paper_compile(name: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=20)
-    ap.add_argument("--models", default="llava,llava_onevision,qwen2_vl")
+    ap.add_argument("--models", default="llava,llava_onevision,qwen2_vl,qwen2_5_vl")
     ap.add_argument("--paper", default="vlm_s,vlm_m,vlm_l,t2v_s")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

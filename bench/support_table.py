@@ -42,7 +42,13 @@ FAMILIES = {
              "two block lists (double and single stream), img_ids/txt_ids without a batch dimension"),
     "sd3": ("Stable Diffusion 3", "diffusers SD3Transformer2DModel + 2 CLIPTextModelWithProjection + T5EncoderModel",
             "three text encoders, joint attention blocks"),
-    "qwen2_vl": ("Qwen2-VL", "transformers Qwen2VLForConditionalGeneration", ""),
+    "qwen2_vl": ("Qwen2-VL", "transformers Qwen2VLForConditionalGeneration",
+                 "patch-packed pixel_values with image_grid_thw values read by the vision rotary positions, the "
+                 "per-frame attention split and M-RoPE: captured through dipc's recipe (custom ops compute them per "
+                 "(sub-)microbatch; one capture for every image count and size), sub-microbatches of 1 image"),
+    "qwen2_5_vl": ("Qwen2.5-VL", "transformers Qwen2_5_VLForConditionalGeneration",
+                   "Qwen2-VL's constructs plus windowed vision attention (the patch rows permuted into windows by "
+                   "grid values): captured through the same recipe"),
 }
 
 

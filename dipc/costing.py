@@ -5,7 +5,7 @@ shape)), per-layer costs for recompute, tensor-parallel communication, and the s
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import sympy
 import torch
@@ -95,12 +95,13 @@ class CostingMixin:
         at: dict[str, dict] = {}  # modality -> sizes its T_i is taken at (instance modalities: B_i instances)
         out = []
         for inst in instances:
-            sym = next((sym for sym, key, d in binds if key == inst.keys[0] and d == 0), None)
+            sym = next((sym for sym, key, d in binds if key == (inst.row_counts or inst.keys[0]) and d == 0), None)
             if sym is None or inst.modality not in costs:
                 self.rule_notes[inst.modality] = "instance count fixed by the model: B_i not derived"
                 out.append(inst)
                 continue
-            t = {b: costs[inst.modality]({**example, sym: b})["latency"] for b in range(1, 65)}
+            at_b = _instances_at(inst, binds, example, sym)
+            t = {b: costs[inst.modality](at_b(b))["latency"] for b in range(1, 65)}
             eff = {b: b / t[b] for b in t if t[b] > 0}
             b_i = inst.sub_microbatch_size
             if inst.modality in auto_b and eff:
@@ -109,7 +110,7 @@ class CostingMixin:
                 self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
                 inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
             latency[inst.modality] = t.get(b_i, latency[inst.modality])
-            at[inst.modality] = {**example, sym: b_i}
+            at[inst.modality] = at_b(b_i)
             out.append(inst)
         node_seconds = {}
         for m, ns in by_mod.items():
@@ -277,3 +278,15 @@ def _param_weights(cap: Capture, model: torch.nn.Module) -> dict[str, float]:
                 w += sizes.pop(a.name)
         out[n.name] = w
     return out
+
+
+def _instances_at(inst, binds, example: dict, sym) -> Callable[[int], dict]:
+    """Sizes of ``b`` instances: ``example`` with the instance count symbol ``sym`` at ``b``; for patch-packed rows
+    (``row_counts``), the packed keys' row count scaled with it (the example's mean rows per instance)."""
+    rows = [s for s, key, d in binds if d == 0 and inst.row_counts and key in inst.keys and key != inst.row_counts]
+    n = example.get(sym, 0)
+    per = {s: example[s] / n for s in rows} if n else {}
+
+    def at(b: int) -> dict:
+        return {**example, sym: b, **{s: max(1, round(b * p)) for s, p in per.items()}}
+    return at

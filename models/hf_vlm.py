@@ -199,6 +199,39 @@ def tiny_qwen2_vl(seed: int = 0, config=None):
     return _build(Qwen2VLForConditionalGeneration, config or tiny_qwen2_vl_config(), seed)
 
 
+def tiny_qwen2_5_vl_config(attn_implementation: str = "sdpa", vocab_size: int = 128):
+    """A ``Qwen2_5_VLConfig`` with the geometry of :func:`tiny_qwen2_vl_config` (patch 4, temporal patch 2, spatial
+    merge 2, the same token ids) and Qwen2.5-VL's windowed vision attention: vision depth 3, width 32, SwiGLU MLP
+    64, ``window_size = 16`` px (windows of 2 x 2 merged patches: a 24x32 image has 4 windows, some padded) and
+    full attention in block 1 only (``fullatt_block_indexes = [1]``); out (merger) 32; text as Qwen2-VL's."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=16,
+                           fullatt_block_indexes=[1], out_hidden_size=32, tokens_per_second=2),
+        text_config=dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 1, 1]},
+                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, use_cache=False,
+                         attention_dropout=0.0),
+        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+        vision_end_token_id=vocab_size - 4, tie_word_embeddings=False,
+    )
+    return _finish_config(config, attn_implementation)
+
+
+def tiny_qwen2_5_vl(seed: int = 0, config=None):
+    """``Qwen2_5_VLForConditionalGeneration`` from :func:`tiny_qwen2_5_vl_config`; batches from
+    :func:`qwen2_vl_batch` (same processor layout).  Beyond Qwen2-VL's data-dependent code, its vision tower permutes
+    the patch rows into windows (``get_vision_window_index``: a Python loop over the grids) and attends within
+    windows in every block but the full-attention ones."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return _build(Qwen2_5_VLForConditionalGeneration, config or tiny_qwen2_5_vl_config(), seed)
+
+
 def qwen2_vl_tokens_per_image(config, height: int, width: int) -> int:
     v = config.vision_config
     return (height // v.patch_size) * (width // v.patch_size) // v.spatial_merge_size ** 2

@@ -132,6 +132,28 @@ def sd3_batches():
 
 
 #: name -> (model fn, batches fn, compile kwargs), the models the multi-rank test trains
+QWEN_IMAGE_HW = ((16, 16), (16, 24), (24, 32))  # 4, 6 and 12 tokens: image sizes differ within every batch
+
+
+def qwen2_vl():
+    return hf_vlm.tiny_qwen2_vl(0)
+
+
+def qwen2_vl_batches():
+    return [hf_vlm.qwen2_vl_batch(c, s + 16, seed, image_hw=QWEN_IMAGE_HW)
+            for seed, (c, s) in enumerate(zip(COUNTS, SEQS))]
+
+
+def qwen2_5_vl():
+    return hf_vlm.tiny_qwen2_5_vl(0)
+
+
+def qwen2_5_vl_batches():
+    cfg = hf_vlm.tiny_qwen2_5_vl_config()
+    return [hf_vlm.qwen2_vl_batch(c, s + 16, seed, config=cfg, image_hw=QWEN_IMAGE_HW)
+            for seed, (c, s) in enumerate(zip(COUNTS, SEQS))]
+
+
 CASES = {
     "paligemma": ("hf_cases:paligemma", "hf_cases:paligemma_batches", {}),
     "gemma3": ("hf_cases:gemma3", "hf_cases:gemma3_batches", {}),
@@ -141,6 +163,8 @@ CASES = {
     "llava": ("hf_cases:llava", "hf_cases:llava_batches", {"sub_microbatch_size": {"vision": 1}}),
     "llava_onevision": ("hf_cases:llava_onevision", "hf_cases:llava_onevision_batches",
                         {"instances": "hf_cases:llava_onevision_instances"}),
+    "qwen2_vl": ("hf_cases:qwen2_vl", "hf_cases:qwen2_vl_batches", {"sub_microbatch_size": {"vision": 1}}),
+    "qwen2_5_vl": ("hf_cases:qwen2_5_vl", "hf_cases:qwen2_5_vl_batches", {}),
     "flux": ("hf_cases:flux", "hf_cases:flux_with_ids_batches", {"shared_keys": ["img_ids", "txt_ids"]}),
     "sd3": ("hf_cases:sd3", "hf_cases:sd3_batches", {}),
 }

@@ -21,7 +21,8 @@ _MATMUL = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", 
 _ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-              "_efficient_attention_forward"}
+              "_efficient_attention_forward", "packed_attention"}
+_PACKED_ATTENTION = "packed_attention"  # dipc::packed_attention (dipc.varlen): attention within runs of segments
 _ATTENTION_BSHD = {"_flash_attention_forward", "_efficient_attention_forward"}  # [B, S, H, D] layout
 _CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
          "conv_transpose3d", "cudnn_convolution", "_slow_conv2d_forward", "convolution_overrideable"}
@@ -47,7 +48,8 @@ _SCATTER = {"index_put", "scatter", "scatter_add", "scatter_reduce", "index_add"
             "masked_scatter", "_index_put_impl", "slice_scatter", "select_scatter"}
 _CREATE = {"arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
            "new_zeros", "new_ones", "new_full", "new_empty", "scalar_tensor", "rand", "randn", "randint",
-           "rand_like", "randn_like", "randint_like", "empty_strided", "linspace", "eye", "tensor"}
+           "rand_like", "randn_like", "randint_like", "empty_strided", "linspace", "eye", "tensor",
+           "metadata"}  # dipc::metadata (dipc.varlen): computed on the host from its inputs' values
 # saved-tensor rules of pointwise ops
 _SAVE_OUTPUT = {"exp", "tanh", "sigmoid", "rsqrt", "sqrt", "relu", "reciprocal", "elu", "hardtanh"}
 _SAVE_NOTHING = {"add", "sub", "rsub", "neg", "clone", "contiguous", "copy", "_to_copy", "to", "type_as", "eq",

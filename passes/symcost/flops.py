@@ -7,7 +7,7 @@ from __future__ import annotations
 import sympy
 import torch.fx
 
-from .families import _ATTENTION_BSHD
+from .families import _ATTENTION_BSHD, _PACKED_ATTENTION, _name
 from .shapes import _ZERO, _e, _numel, _prod, _shape, _val
 
 # ----------------------------------------------------------------------------------------------- FLOP rules
@@ -64,12 +64,28 @@ def _attention_flops(node: torch.fx.Node, name: str, causal_fraction: float) -> 
     else:  # [..., H, S, D]
         bh = _prod(q.shape[:-2])
         sq, sk, dq, dv = _e(q.shape[-2]), _e(k.shape[-2]), _e(q.shape[-1]), _e(v.shape[-1])
+    if name == _PACKED_ATTENTION:  # runs of P / n_segments rows attend within themselves; the backward recomputes
+        sk = sk / _segment_count(node.args[3])
+        fwd = 2 * bh * sq * sk * dq + 2 * bh * sq * sk * dv
+        return fwd, fwd + 2 * bh * sq * sk * (3 * dq + 2 * dv)
     fwd = 2 * bh * sq * sk * dq + 2 * bh * sq * sk * dv
     bwd = 2 * bh * sq * sk * (3 * dq + 2 * dv)
     if _is_causal(node, name) and causal_fraction != 1:
         frac = sympy.nsimplify(causal_fraction)
         fwd, bwd = frac * fwd, frac * bwd
     return fwd, bwd
+
+
+def _segment_count(segments) -> sympy.Expr:
+    """Segments of a ``dipc::packed_attention``: the rows (dim 0) of the first input of the ``dipc::metadata`` op
+    that made its segment ids (the instances' grid: one segment per image; a video's frames count as one, which
+    overestimates its cost), else 1 (one dense segment)."""
+    if isinstance(segments, torch.fx.Node) and _name(segments) == "metadata" and len(segments.args) > 1:
+        first = segments.args[1][0] if segments.args[1] else None
+        v = _val(first) if isinstance(first, torch.fx.Node) else None
+        if v is not None and v.dim() > 0:
+            return sympy.Max(_e(v.shape[0]), 1)
+    return sympy.Integer(1)
 
 
 def _is_causal(node: torch.fx.Node, name: str) -> bool:

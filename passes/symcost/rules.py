@@ -13,8 +13,8 @@ import torch
 import torch.fx
 
 from .context import GraphContext
-from .families import (_CREATE, _GATHER, _SAVE_MASK, _SAVE_NOTHING, _SAVE_OPERANDS, _SAVE_OUTPUT, _SCATTER, _name,
-                       op_family)
+from .families import (_CREATE, _GATHER, _PACKED_ATTENTION, _SAVE_MASK, _SAVE_NOTHING, _SAVE_OPERANDS, _SAVE_OUTPUT,
+                       _SCATTER, _name, op_family)
 from .flops import _attention_flops, _conv_flops, _matmul_flops
 from .record import SymCost
 from .shapes import _ZERO, _bytes, _e, _floating, _is_tensor, _numel, _prod, _storage_bytes, _tensor_args, _val
@@ -86,6 +86,8 @@ def _node_cost(node: torch.fx.Node, ctx: GraphContext, causal_fraction: float) -
         q = _val(node.args[0])
         if not any(rg(a) for a in node.args[:3]):
             flops_b = _ZERO
+        elif name == _PACKED_ATTENTION:  # keeps q, k, v and the segment ids; the backward recomputes the rest
+            saved.extend(a for a in node.args[:4] if isinstance(a, torch.fx.Node))
         else:
             saved.extend(a for a in node.args[:3] if isinstance(a, torch.fx.Node))
             saved.append(node if not isinstance(out, (list, tuple)) else (f"{node.name}[0]", _bytes(out[0])))

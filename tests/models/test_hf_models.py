@@ -38,6 +38,8 @@ def _train_all(rank, world, names):
                      "captures": rep["n_programs"]}
     if "llava_onevision" in names:
         out["onevision_sub_sizes"] = _onevision_sub_sizes(rank)
+    if "qwen2_vl" in names:
+        out["qwen_sub_sizes"] = _qwen_one_capture(rank)
     if "llava" in names:
         out["llava_eval"] = _llava_eval_outputs(rank, world)
         out["llava_recompute"] = _llava_per_layer_recompute(rank, world)
@@ -129,6 +131,52 @@ def _onevision_sub_sizes(rank, pp=3):
     return seen
 
 
+def _qwen_one_capture(rank):
+    """Issue 35 §2-3 on Qwen2-VL and Qwen2.5-VL given unmodified (patch-packed ``pixel_values``, ``image_grid_thw``
+    values read by the vision rotary positions, the per-frame attention split, the window permutation and M-RoPE):
+    a 2- and a 3-rank pipeline (run in this process) at sub-microbatch sizes 1, 2 and 3 equal the unsplit model on
+    microbatches of 0 to 6 images of three sizes (4, 6 and 12 tokens), multi-image samples, a text-only microbatch
+    first and then last; every step runs on the model's first two captures (images, text only); and Qwen2.5-VL with
+    right-padded samples (``attention_mask``).  Rank 0 only; returns the checks made."""
+    if rank != 0:
+        return 0
+    import dataclasses
+
+    import hf_cases
+    import torch
+
+    import dipc
+    from dipc.models import hf_vlm
+    from dipc.testing import local_check
+
+    seen = 0
+    for build, cfg_fn in ((hf_vlm.tiny_qwen2_vl, hf_vlm.tiny_qwen2_vl_config),
+                          (hf_vlm.tiny_qwen2_5_vl, hf_vlm.tiny_qwen2_5_vl_config)):
+        model, cfg = build(0), cfg_fn()
+        batches = [hf_vlm.qwen2_vl_batch(c, s, i, config=cfg, image_hw=hf_cases.QWEN_IMAGE_HW)
+                   for i, (c, s) in enumerate([([1, 2, 0, 1], 48), ([0, 0, 2, 1], 48), ([3, 1, 0, 0], 64),
+                                               ([2, 1, 3, 0], 64)])]
+        for pp in (2, 3):
+            torch.manual_seed(0)
+            c = dipc.compile(model, batches[0], pp, check=False)
+            assert c.use_recipe, "the Qwen2-VL capture recipe was dropped"
+            inst = c.batch_spec.instances[0]
+            for size in (1, 2, 3):
+                c.batch_spec.instances = [dataclasses.replace(inst, sub_microbatch_size=size)]
+                for b in batches[1:]:
+                    local_check(model, c, b, 2)
+                    seen += 1
+            assert len(c.programs) == 2, f"{type(model).__name__}: {len(c.programs)} captures for 0 to 6 images"
+    # right padding (attention_mask, padded labels ignored as a collator does): M-RoPE skips the padded tokens
+    padded = []
+    for b, pad in ((batches[0], (2, 5)), (batches[3], (3, 7))):  # text-only samples: no placeholder is padding
+        b = dict(b, attention_mask=torch.ones_like(b["input_ids"]))
+        b["attention_mask"][pad[0], -pad[1]:] = 0
+        padded.append(dict(b, labels=b["labels"].masked_fill(b["attention_mask"] == 0, -100)))
+    local_check(model, dipc.compile(model, padded[0], 2, check=False), padded[1], 2)
+    return seen + 1
+
+
 def _llava_eval_outputs(rank, world):
     """Forward-only evaluation handing back Hugging Face LLaVA's logits (issue 11, point 1): on the last rank the
     whole batch's ``[B, S, vocab]`` logits equal the unsplit model's under no_grad, with the labels (loss too) and
@@ -182,6 +230,8 @@ def _check(names):
         assert a["n_params"] > 0 and b["n_params"] > 0, f"{name}: a rank holds no parameter"
     if "llava_onevision" in names:
         assert reports[0]["onevision_sub_sizes"] == 6, "LLaVA-OneVision's sub-microbatch sizes were not all checked"
+    if "qwen2_vl" in names:
+        assert reports[0]["qwen_sub_sizes"] == 37, "Qwen2-VL's sub-microbatch sizes were not all checked"
     if "llava" in names:
         assert [r["llava_eval"] for r in reports] == [0, 2], "the logits were not compared on the last rank"
         assert reports[0]["llava_recompute"] == 2, "per-layer recompute was not checked on both batch orders"
@@ -193,7 +243,8 @@ def _check(names):
 @pytest.mark.timeout(900)
 def test_hf_models_match_the_unsplit_model_on_2_ranks():
     """The default suite's share: PaliGemma, LLaVA-NeXT (per-image token counts), LLaVA-OneVision (per-sample
-    image counts that decide each image's tiles), LLaVA (re-captured image counts) and the Flux transformer."""
+    image counts that decide each image's tiles), LLaVA (re-captured image counts), Qwen2-VL and Qwen2.5-VL
+    (patch-packed images, one capture for every image count) and the Flux transformer."""
     import hf_cases
     _check([n for n in hf_cases.CASES if n not in hf_cases.SLOW])
 
@@ -217,23 +268,6 @@ def _record(rows):
     old.update(rows)
     with open(path, "w") as f:
         json.dump(old, f, indent=1, sort_keys=True)
-
-
-def test_qwen2_vl_is_refused_naming_the_construct():
-    """Qwen2-VL's vision attention splits by ``image_grid_thw.tolist()`` values and its M-RoPE groups
-    ``mm_token_type_ids.tolist()`` in Python: torch.export cannot trace either with symbolic values, and a static
-    retry does not help (the grid feeds tensor ops).  The compile error names the model's line."""
-    import time as _t
-    import dipc
-    from dipc.models import hf_vlm
-
-    model = hf_vlm.tiny_qwen2_vl(0)
-    t = _t.perf_counter()
-    with pytest.raises(dipc.CaptureError, match=r"modeling_qwen2_vl\.py:\d+: `torch\.split\(tensor, lengths\.tolist\(\)"):
-        dipc.compile(model, hf_vlm.qwen2_vl_batch([2, 1, 0, 1], 40, 0), 2)
-    _record({"qwen2_vl": {"status": "refused at compile", "compile_s": round(_t.perf_counter() - t, 1),
-                          "why": "vision attention splits by image_grid_thw.tolist() (torch.split with data-dependent "
-                                 "sizes); M-RoPE groups mm_token_type_ids.tolist() in Python"}})
 
 
 def test_tokens_per_image_are_read_from_each_familys_config():
