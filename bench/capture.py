@@ -1,7 +1,8 @@
 """Captures on a stream of dynamic batches, and compile time at the paper's sizes (issue "Capture once").
 
 For each Hugging Face VLM (tiny configs, random init): a stream of ``--batches`` batches of 8 samples, 4
-microbatches, 0 to 3 images per sample (0..12 per microbatch), text-only microbatches among them, run twice through
+microbatches, 0 to 3 images per sample (0..12 per microbatch; Qwen2-VL's also 0 or 1 video per sample), text-only
+microbatches among them, run twice through
 every rank of a 2-rank pipeline in this process (:func:`dipc.runtime.run_local`): the captures made, the seconds
 spent in them (``torch.export``), and the mean step time of the first (cold) pass and of the second (warm) pass.
 Then ``dipc.compile`` of the paper's VLM-S, VLM-M, VLM-L and T2V-S on the meta device (bf16, the paper's PP/TP, the
@@ -49,10 +50,15 @@ def _stream(name: str, n: int):
         batches = [hf_vlm.llava_onevision_batch(c, 24 * max(c) + 8, i) for i, c in enumerate(counts)]
         return (hf_vlm.tiny_llava_onevision(0), batches,
                 {"instances": hf_vlm.llava_onevision_instances(sub_microbatch_size=4)})
-    if name in ("qwen2_vl", "qwen2_5_vl"):  # images of 16x16, 16x24 and 24x32 px: 4, 6 and 12 tokens
+    if name in ("qwen2_vl", "qwen2_5_vl"):  # images of 4, 6 and 12 tokens; 0-1 video per sample, 6-12 tokens
         cfg = hf_vlm.tiny_qwen2_vl_config() if name == "qwen2_vl" else hf_vlm.tiny_qwen2_5_vl_config()
-        batches = [hf_vlm.qwen2_vl_batch(c, 14 * max(c) + 8, i, config=cfg,
-                                         image_hw=((16, 16), (16, 24), (24, 32))) for i, c in enumerate(counts)]
+        videos = [[int(x) for x in torch.randint(0, 2, (8,), generator=g)] for _ in counts]  # 0-1 per sample
+        for i in range(0, len(counts), 4):
+            videos[i][0] = videos[i][1] = 0
+        batches = [hf_vlm.qwen2_vl_batch(c, 14 * max(c) + 14 * max(v) + 8, i, config=cfg, videos=v,
+                                         image_hw=((16, 16), (16, 24), (24, 32)),
+                                         video_fhw=((4, 16, 16), (2, 16, 24), (4, 24, 16)))
+                   for i, (c, v) in enumerate(zip(counts, videos))]
         build = hf_vlm.tiny_qwen2_vl if name == "qwen2_vl" else hf_vlm.tiny_qwen2_5_vl
         return build(0), batches, {"sub_microbatch_size": {"vision": 4}}
     raise ValueError(f"unknown model {name!r}")
@@ -110,8 +116,8 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    lines = [f"Stream of {args.batches} batches (8 samples, 4 microbatches, 0-3 images per sample), 2 ranks in one "
-             "process; cold = first pass over the stream, warm = second.", "",
+    lines = [f"Stream of {args.batches} batches (8 samples, 4 microbatches, 0-3 images per sample; Qwen2-VL's also 0-1 "
+             "video per sample), 2 ranks in one process; cold = first pass over the stream, warm = second.", "",
              "| model | result | captures | s in capture | compile s | cold step s | warm step s | cold / (warm + "
              "compile share) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in [m for m in args.models.split(",") if m]:

@@ -45,7 +45,8 @@ FAMILIES = {
     "qwen2_vl": ("Qwen2-VL", "transformers Qwen2VLForConditionalGeneration",
                  "patch-packed pixel_values with image_grid_thw values read by the vision rotary positions, the "
                  "per-frame attention split and M-RoPE: captured through dipc's recipe (custom ops compute them per "
-                 "(sub-)microbatch; one capture for every image count and size), sub-microbatches of 1 image"),
+                 "(sub-)microbatch; one capture per set of kinds present, whatever the counts and sizes); videos "
+                 "a second instance kind of the vision tower; sub-microbatches of 1 image or video"),
     "qwen2_5_vl": ("Qwen2.5-VL", "transformers Qwen2_5_VLForConditionalGeneration",
                    "Qwen2-VL's constructs plus windowed vision attention (the patch rows permuted into windows by "
                    "grid values): captured through the same recipe"),

@@ -93,6 +93,10 @@ class Microbatch:
         sample_keys: the keys a sample range slices (per-sample tensors and Python lists), with ``sub_samples``.
         sample_starts: with ``sub_samples``, per instance modality its first instance of each sample and the end,
             ``[n + 1]``: how a sample range cuts every modality's keys.
+        sub_kinds: for a modality with several instance kinds (e.g. images and videos encoded by one vision tower),
+            the kind of each sub-microbatch (each holds instances of one kind; its ``subs`` range counts in that
+            kind's instances); absent for a modality with one kind.
+        kinds: modality -> its instance kinds, for modalities with several.
     """
 
     index: int
@@ -103,6 +107,14 @@ class Microbatch:
     sub_samples: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     sample_keys: frozenset = frozenset()
     sample_starts: tuple = ()
+    sub_kinds: dict[str, list[Instances]] = dataclasses.field(default_factory=dict)
+    kinds: dict[str, tuple[Instances, ...]] = dataclasses.field(default_factory=dict)
+
+    def sub_kind(self, modality: str, sub: int, default: Instances) -> Instances:
+        """The instance kind (:class:`Instances`) sub-microbatch ``sub`` of ``modality`` holds: ``default`` for a
+        modality with one kind; for one with several (Qwen2-VL's images and videos), the kind of that range."""
+        kinds = self.sub_kinds.get(modality)
+        return default if kinds is None else kinds[sub]
 
     def sub_view(self, inst: Instances, sub: int) -> dict[str, torch.Tensor]:
         """The microbatch with ``inst``'s keys restricted to sub-microbatch ``sub``; where its sub-microbatches hold
@@ -113,6 +125,14 @@ class Microbatch:
         samples = self.sub_samples.get(inst.modality)
         if samples is None:
             view.update(inst.cut(self.data, lo, hi))
+            for other in self.kinds.get(inst.modality, ()):  # the modality's other kinds: none in this view
+                if other is inst or not other.present(self.data):
+                    continue
+                if other.drop_when_empty:
+                    for k in other.keys:
+                        view.pop(k, None)
+                else:
+                    view.update(other.cut(self.data, 0, 0))
             return view
         s_lo, s_hi = samples[sub]
         for k in self.sample_keys:
@@ -294,9 +314,13 @@ class BatchSpec:
         if B == 0:
             raise BatchError("batch has no sample (batch size 0)")
         counts = {}
-        for inst in self.instances:
-            counts[inst.modality] = inst.per_sample_counts(batch, B)
+        for inst, c in zip(self.instances, self.kind_counts(batch, B)):
+            counts[inst.modality] = counts[inst.modality] + c if inst.modality in counts else c
         return B, counts
+
+    def kind_counts(self, batch: Mapping[str, torch.Tensor], B: int) -> list[torch.Tensor]:
+        """Per-sample instance counts ``[B]`` of each of :attr:`instances` (validating their ownership)."""
+        return [inst.per_sample_counts(batch, B) for inst in self.instances]
 
     def split(self, batch: Mapping[str, torch.Tensor], n_microbatches: int, *,
               whole_instances: bool = False, allow_unlabelled: bool = False) -> list[Microbatch]:
@@ -313,15 +337,24 @@ class BatchSpec:
                 (without ``allow_unlabelled``) a batch with no labelled token under a token-mean loss.
         """
         batch = self.normalize(batch)
-        B, counts = self.validate(batch)
+        B, _ = self.validate(batch)
+        counts = self.kind_counts(batch, B)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise BatchError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
         if n_microbatches > B:
             raise BatchError(f"n_microbatches={n_microbatches} is larger than the batch size {B}")
         sizes = near_equal(B, n_microbatches)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        inst_start = {m: torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]).tolist()
-                      for m, c in counts.items()}
+        inst_start = [torch.cat([torch.zeros(1, dtype=torch.long), c.cumsum(0)]).tolist() for c in counts]
+        kinds = {}
+        for inst in self.instances:
+            kinds.setdefault(inst.modality, []).append(inst)
+        kinds = {m: tuple(v) for m, v in kinds.items() if len(v) > 1}
+        if kinds and self.sample_constants:
+            raise BatchError(f"modality {next(iter(kinds))!r} has several instance kinds "
+                             f"({[i.keys[0] for i in next(iter(kinds.values()))]}) and the model reads per-sample "
+                             f"values {sorted(self.sample_constants)} as trace constants: dipc cannot yet cut both "
+                             "by whole samples")
         sample_keys = frozenset(self.per_sample_keys) | {k for k, kind in self.values.items() if kind == "sample"}
         mbs = []
         for i, (s, n) in enumerate(zip(starts, sizes)):
@@ -331,10 +364,12 @@ class BatchSpec:
                     data[k] = v
                 elif k not in self.instance_keys:
                     data[k] = v[s:s + n]
-            ninst, subs, sub_samples = {}, {}, {}
-            for inst in self.instances:
-                lo, hi = inst_start[inst.modality][s], inst_start[inst.modality][s + n]
-                N = ninst[inst.modality] = hi - lo
+            ninst, subs, sub_samples, sub_kinds = {}, {}, {}, {}
+            for q, inst in enumerate(self.instances):
+                lo, hi = inst_start[q][s], inst_start[q][s + n]
+                N = hi - lo
+                ninst[inst.modality] = ninst.get(inst.modality, 0) + N
+                subs.setdefault(inst.modality, [])
                 if inst.per_sample and inst.present(batch) and not (N == 0 and inst.drop_when_empty):
                     # cut with the samples, padding slots included (Mllama encodes those too); the encoder runs on
                     # the whole microbatch
@@ -342,23 +377,27 @@ class BatchSpec:
                     subs[inst.modality] = [(0, n)]
                     continue
                 if not inst.present(batch) or (N == 0 and inst.drop_when_empty):
-                    subs[inst.modality] = []
                     continue
                 data.update(inst.cut(batch, lo, hi, sample_lo=s))
                 if self.sample_constants and not whole_instances:
                     subs[inst.modality], sub_samples[inst.modality] = whole_sample_subs(
-                        counts[inst.modality][s:s + n].tolist(), inst.sub_microbatch_size)
+                        counts[q][s:s + n].tolist(), inst.sub_microbatch_size)
                     continue
                 M = (1 if N else 0) if whole_instances else math.ceil(N / inst.sub_microbatch_size)
                 ranges, o = [], 0
                 for sz in (near_equal(N, M) if M else []):
                     ranges.append((o, o + sz))
                     o += sz
-                subs[inst.modality] = ranges
-            starts = tuple((inst, [x - inst_start[inst.modality][s] for x in inst_start[inst.modality][s:s + n + 1]])
-                           for inst in self.instances) if sub_samples else ()
+                subs[inst.modality].extend(ranges)
+                if inst.modality in kinds:
+                    sub_kinds.setdefault(inst.modality, []).extend([inst] * len(ranges))
+            for m in kinds:
+                sub_kinds.setdefault(m, [])
+            starts = tuple((inst, [x - inst_start[k][s] for x in inst_start[k][s:s + n + 1]])
+                           for k, inst in enumerate(self.instances)) if sub_samples else ()
             mbs.append(Microbatch(index=i, data=data, instances=ninst, subs=subs, weight=0.0,
-                                  sub_samples=sub_samples, sample_keys=sample_keys, sample_starts=starts))
+                                  sub_samples=sub_samples, sample_keys=sample_keys, sample_starts=starts,
+                                  sub_kinds=sub_kinds, kinds=kinds))
         nums = [self.loss.numerator(mb.data, n) for mb, n in zip(mbs, sizes)]
         total = sum(nums)
         if self.loss.kind == "token_mean" and not allow_unlabelled and total == 0:

@@ -32,7 +32,9 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
       ``cross_attention_mask``, one ``<|image|>`` token per image (the text cross-attends to the images, padding
       slots included, so a microbatch without images keeps its keys);
     * Qwen2-VL / Qwen2.5-VL: patch-packed ``pixel_values [patches, C*T*P*P]`` with ``image_grid_thw [N, 3]``,
-      ``prod(grid) / spatial_merge_size^2`` tokens per image.
+      ``prod(grid) / spatial_merge_size^2`` tokens per image; videos alike (``pixel_values_videos``,
+      ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``; ``video_token_id``) as a second instance kind of the
+      vision modality.
 
     Returns ``[]`` for other models (no instances: images, if any, are cut with their samples).
 
@@ -42,6 +44,8 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
             config fields and the declaration to write).
     """
     cfg = getattr(model, "config", None)
+    if cfg is not None and getattr(cfg, "model_type", "") in ("qwen2_vl", "qwen2_5_vl"):
+        return _qwen_instances(cfg, batch, int((sub_size or {}).get("vision", Instances.sub_microbatch_size)))
     if cfg is None or "pixel_values" not in batch:
         return []
     kind = getattr(cfg, "model_type", "")
@@ -66,11 +70,6 @@ def _auto_instances(model: torch.nn.Module, batch: Mapping[str, torch.Tensor],
             tpi = _grid(vc, "image_size", "patch_size") ** 2 // (scale * scale)
         return [Instances("vision", present("pixel_values", "pixel_attention_mask"), int(token_id), tpi,
                           per_sample=True, drop_when_empty=True, sub_microbatch_size=b)]
-    if kind in ("qwen2_vl", "qwen2_5_vl") and vc is not None:
-        merge = int(getattr(vc, "spatial_merge_size", 2)) ** 2
-        return [Instances("vision", present("pixel_values", "image_grid_thw"), int(token_id),
-                          lambda bt, m=merge: bt["image_grid_thw"].long().prod(-1) // m, row_counts="image_grid_thw",
-                          drop_when_empty=True, sub_microbatch_size=b)]
     if kind in ("llava_next", "llava_next_video", "llava_onevision"):
         raise BatchError(
             f"{type(model).__name__} gives each image a number of placeholder tokens that depends on its size "
@@ -119,3 +118,20 @@ def _loss_from_form(loss: LossReduction | str | None, form) -> LossReduction:
         return LossReduction("token_mean", labels_key=form.labels_key, ignore_index=form.ignore_index,
                              shift=form.shift)
     return LossReduction(kind)
+
+
+def _qwen_instances(cfg, batch: Mapping, b: int) -> list[Instances]:
+    """Qwen2-VL / Qwen2.5-VL: images and videos, patch-packed, each a kind of "vision" instance (the same vision
+    tower encodes both); ``prod(grid) / spatial_merge_size^2`` placeholder tokens per image or video."""
+    vc = cfg.vision_config
+    merge = int(getattr(vc, "spatial_merge_size", 2)) ** 2
+    out = []
+    for keys, grid, token in ((("pixel_values", "image_grid_thw"), "image_grid_thw", cfg.image_token_id),
+                              (("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"), "video_grid_thw",
+                               cfg.video_token_id)):
+        if keys[0] not in batch:
+            continue
+        out.append(Instances("vision", tuple(k for k in keys if k in batch), int(token),
+                             lambda bt, g=grid, m=merge: bt[g].long().prod(-1) // m, row_counts=grid,
+                             drop_when_empty=True, sub_microbatch_size=b))
+    return out

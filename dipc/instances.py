@@ -16,6 +16,11 @@ An instance belongs to one sample and may own several rows of several keys.  The
   the sample (``per_sample=True``), the instance count of a sample comes from its placeholder tokens.  These keys
   are cut with the samples; their encoder runs on the whole microbatch (one sub-microbatch).
 
+A modality may have several instance kinds (one :class:`Instances` each, same ``modality``): Qwen2-VL's images
+and videos go through one vision tower.  Each sub-microbatch then holds instances of one kind (the other kinds'
+keys are left out of its view, or 0-sized without ``drop_when_empty``), and each value the modality hands to the
+backbone is the concatenation over the sub-microbatches of the kind it is computed from.
+
 Microbatch and sub-microbatch cuts move whole instances with all their rows and side keys (DIP, shared/PAPER.md
 §2.1 step 4: a microbatch with N_i instances is cut into ``M_i = ceil(N_i / B_i)`` near-equal sub-microbatches).
 """

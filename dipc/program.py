@@ -31,6 +31,7 @@ class Program:
         chunks: chunk index -> :class:`dipc.codegen.stage.ChunkModule` (chunks with no node here are absent).
         bindings: (symbol, batch key, dim) triples: how to read each input-size symbol off a batch.
         boundary: modality -> names of the values its chunks hand to other modalities' chunks, in graph order.
+        boundary_keys: each boundary value -> the batch keys it is computed from (which instance kind made it).
         loss_params: fully qualified names of the parameters the loss depends on (autograd gives them a gradient,
             zero or not, in the unsplit model).
     """
@@ -40,6 +41,7 @@ class Program:
     bindings: list[tuple[sympy.Symbol, str, int]]
     boundary: dict[str, list[str]]
     loss_params: set[str] = dataclasses.field(default_factory=set)
+    boundary_keys: dict[str, frozenset] = dataclasses.field(default_factory=dict)
     chunk_costs: dict = dataclasses.field(default_factory=dict)
     sizes: SizeProgram | None = None
     _last_sizes: tuple | None = dataclasses.field(default=None, repr=False, compare=False)

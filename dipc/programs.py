@@ -10,7 +10,7 @@ import torch
 import torch.fx
 
 from .batch import BatchError
-from .capture import Capture, CaptureError, capture, is_meta, signature_of
+from .capture import Capture, CaptureError, _ancestors, capture, is_meta, signature_of
 from .check import check_capture
 from .codegen.stage import build_chunk_modules
 from .errors import NeedsCapture
@@ -123,6 +123,10 @@ class ProgramCacheMixin:
         order = {n.name: i for i, n in enumerate(cap.graph.nodes)}
         for m in boundary:
             boundary[m].sort(key=order.__getitem__)
+        by_name = {n.name: n for n in cap.graph.nodes}
+        boundary_keys = {name: frozenset(cap.input_keys[a.name] for a in _ancestors([by_name[name]])
+                                         if a.op == "placeholder" and a.name in cap.input_keys)
+                         for names in boundary.values() for name in names}
         # parameters the loss reaches through values that carry a gradient (not through .detach() or no_grad):
         # autograd gives those a gradient in the unsplit model, zero or not, and the others none
         loss_params, stack, seen = set(), [next(n for n in cap.graph.nodes if n.name == cap.loss_node)], set()
@@ -136,7 +140,7 @@ class ProgramCacheMixin:
             if n.op == "placeholder" or _carries_grad(n):
                 stack.extend(n.all_input_nodes)
         prog = Program(capture=cap, chunks=chunks, bindings=bindings, boundary=boundary, loss_params=loss_params,
-                       sizes=sizes)
+                       sizes=sizes, boundary_keys=boundary_keys)
         prog.builder = lambda c, prog=prog: self._build_chunk(prog, c)
         prog.training = self.model.training  # the mode it was captured in (see mode_dependent)
         prog.meta_trace = self._traces_on_meta()  # its graph's device constants say "meta" (see _trace_data)
@@ -176,17 +180,37 @@ class ProgramCacheMixin:
     def _check_sub_microbatching(self, prog: Program) -> None:
         """Chunks of a sub-microbatched modality may read only its instance keys and its own chunks' values."""
         mod_of = {c.index: c.modality for c in self.partition.chunks}
+        keys_of: dict[str, list[str]] = {}  # modality -> the keys of all its instance kinds
+        for inst in self.batch_spec.instances:
+            keys_of.setdefault(inst.modality, []).extend(k for k in inst.keys if k not in keys_of.get(inst.modality, []))
         for inst in self.batch_spec.instances:
             for c, cm in prog.chunks.items():
                 if mod_of[c] != inst.modality:
                     continue
                 for i in cm.inputs:
-                    if i.kind == "batch" and i.key not in inst.keys:
+                    if i.kind == "batch" and i.key not in keys_of[inst.modality]:
                         raise BatchError(f"chunk {c} ({inst.modality}) reads batch key {i.key!r}, which is not one of "
-                                         f"its instance keys {list(inst.keys)}: it cannot run on sub-microbatches")
+                                         f"its instance keys {keys_of[inst.modality]}: it cannot run on "
+                                         "sub-microbatches")
                     if i.kind == "value" and mod_of[i.src_chunk] != inst.modality:
                         raise BatchError(f"chunk {c} ({inst.modality}) reads {i.name!r} from a {mod_of[i.src_chunk]} "
                                          "chunk: it cannot run on sub-microbatches")
+
+    def _widened(self, data: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``data`` to trace: an instance kind with exactly one instance gets it twice (rows, side keys; the text is
+        unchanged), so torch.export does not fix that count at 1 (its 0/1 rule) and the capture serves every count
+        of that key set, as one traced at 2 or more does (a trace sees shapes only).  ``data`` itself where the
+        model reads instance values as constants (``static_keys``) or no kind has one instance."""
+        if self.static_keys:
+            return data
+        out = None
+        for inst in self.batch_spec.instances:
+            if inst.per_sample or not inst.present(data) or inst.n_instances(data) != 1:
+                continue
+            out = dict(data) if out is None else out
+            for k, v in inst.cut(data, 0, 1).items():
+                out[k] = torch.cat([v, v])
+        return data if out is None else out
 
     def _candidates(self, traced: Mapping[str, Any]) -> list[Program]:
         """The programs whose capture has ``traced``'s keys, static-dim values and Python values (what
@@ -254,7 +278,10 @@ class ProgramCacheMixin:
             # stacklevel: past this, build_workload and its gc_paused wrapper, to build_workload's caller
             warnings.warn(f"dipc: {'; '.join(why)}: dipc captures the model once per distinct value or key set "
                           "(about one torch.export each, 2-20 s) and caches it", stacklevel=4)
-        cap = self._capture(data)
+        wide = self._widened(data)
+        cap = self._capture(wide)
+        if wide is not data and not cap.fits(traced):  # the model fixed the widened count: trace the data itself
+            cap = self._capture(data)
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)

@@ -237,36 +237,63 @@ def qwen2_vl_tokens_per_image(config, height: int, width: int) -> int:
     return (height // v.patch_size) * (width // v.patch_size) // v.spatial_merge_size ** 2
 
 
-def qwen2_vl_batch(counts, seq, seed, config=None, image_hw=((16, 16),)):
-    """A Qwen2-VL batch as ``Qwen2VLProcessor`` makes it.
+def qwen2_vl_batch(counts, seq, seed, config=None, image_hw=((16, 16),), videos=None, video_fhw=((4, 16, 16),)):
+    """A Qwen2-VL (or Qwen2.5-VL, with its ``config``) batch as ``Qwen2VLProcessor`` makes it.
 
     Image ``k`` of the batch (in sample order) has size ``image_hw[k % len(image_hw)]`` (pixels, multiples of
     ``patch_size * spatial_merge_size`` = 8); default all 16x16 -> 4 tokens each.  Per image the text holds
-    ``<|vision_start|> <|image_pad|> * tokens <|vision_end|>``.
+    ``<|vision_start|> <|image_pad|> * tokens <|vision_end|>``.  ``videos``: videos per sample (default none);
+    video ``k`` has ``video_fhw[k % len(video_fhw)]`` = (frames, height, width) (frames a multiple of
+    ``temporal_patch_size`` = 2): grid ``(frames / 2, h / patch, w / patch)``, ``t * h * w / merge**2`` tokens of
+    ``<|video_pad|>`` between the same start / end tokens (a 4-frame 16x16 video: grid (2, 4, 4), 8 tokens).  A
+    sample's images come before its videos in its text.
 
-    Keys: ``input_ids [B, S]``, ``labels [B, S]``, ``mm_token_type_ids [B, S]`` (1 at ``<|image_pad|>``, else 0;
-    per-sample), and when the batch has an image: ``pixel_values [sum_k t*h*w, 3*2*4*4 = 96]`` float32 (dim 0 =
-    patches of all images, image after image: NOT one row per image) and ``image_grid_thw [N, 3]`` int64 (dim 0 =
-    images).  Text-only batch: no ``pixel_values`` / ``image_grid_thw`` keys.  ``labels`` mask
-    ``<|image_pad|>``, ``<|vision_start|>``, ``<|vision_end|>``.
+    Keys: ``input_ids [B, S]``, ``labels [B, S]``, ``mm_token_type_ids [B, S]`` (1 at ``<|image_pad|>``, 2 at
+    ``<|video_pad|>``, else 0; per-sample), and when the batch has an image: ``pixel_values [sum_k t*h*w, 3*2*4*4 =
+    96]`` float32 (dim 0 = patches of all images, image after image: NOT one row per image) and ``image_grid_thw
+    [N, 3]`` int64 (dim 0 = images); with a video: ``pixel_values_videos [sum_k t*h*w, 96]`` and ``video_grid_thw
+    [V, 3]`` (and for Qwen2.5-VL ``second_per_grid_ts [V]``, 0.5, 1 or 1.5 s).  A batch without images (videos) has
+    no image (video) keys.  ``labels`` mask the pad, start and end
+    tokens.
     """
     import torch
 
     counts = _check_counts(counts)
+    videos = _check_counts(videos) if videos is not None else [0] * len(counts)
+    if len(videos) != len(counts):
+        raise ValueError(f"videos has {len(videos)} samples, counts {len(counts)}")
     config = config or tiny_qwen2_vl_config()
     v = config.vision_config
     hw = [image_hw[k % len(image_hw)] for k in range(sum(counts))]
-    tpi = [qwen2_vl_tokens_per_image(config, h, w) for h, w in hw]
-    img, vs, ve = config.image_token_id, config.vision_start_token_id, config.vision_end_token_id
-    rows, g = _rows(counts, seq, seed, lambda k: [vs] + [img] * tpi[k] + [ve], ve)
+    fhw = [video_fhw[k % len(video_fhw)] for k in range(sum(videos))]
+    merge = v.spatial_merge_size ** 2
+    img_grids = [(1, h // v.patch_size, w // v.patch_size) for h, w in hw]
+    vid_grids = [(f // v.temporal_patch_size, h // v.patch_size, w // v.patch_size) for f, h, w in fhw]
+    img, vid = config.image_token_id, config.video_token_id
+    vs, ve = config.vision_start_token_id, config.vision_end_token_id
+    blocks, i, j = [], 0, 0
+    for c, n in zip(counts, videos):
+        for _ in range(c):
+            t, a, b = img_grids[i]
+            blocks.append([vs] + [img] * (t * a * b // merge) + [ve])
+            i += 1
+        for _ in range(n):
+            t, a, b = vid_grids[j]
+            blocks.append([vs] + [vid] * (t * a * b // merge) + [ve])
+            j += 1
+    rows, g = _rows([c + n for c, n in zip(counts, videos)], seq, seed, lambda k: blocks[k], ve)
     input_ids = torch.tensor(rows, dtype=torch.long)
-    batch = {"input_ids": input_ids, "labels": _labels(input_ids, (img, vs, ve)),
-             "mm_token_type_ids": (input_ids == img).long()}
+    batch = {"input_ids": input_ids, "labels": _labels(input_ids, (img, vid, vs, ve)),
+             "mm_token_type_ids": (input_ids == img).long() + 2 * (input_ids == vid).long()}
+    per_row = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
     if hw:
-        per_row = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-        grids = [(1, h // v.patch_size, w // v.patch_size) for h, w in hw]
-        batch["pixel_values"] = torch.randn(sum(t * a * b for t, a, b in grids), per_row, generator=g)
-        batch["image_grid_thw"] = torch.tensor(grids, dtype=torch.long)
+        batch["pixel_values"] = torch.randn(sum(t * a * b for t, a, b in img_grids), per_row, generator=g)
+        batch["image_grid_thw"] = torch.tensor(img_grids, dtype=torch.long)
+    if fhw:
+        batch["pixel_values_videos"] = torch.randn(sum(t * a * b for t, a, b in vid_grids), per_row, generator=g)
+        batch["video_grid_thw"] = torch.tensor(vid_grids, dtype=torch.long)
+        if config.model_type == "qwen2_5_vl":  # seconds per temporal patch (the processor's fps): 0.5 s, 1 s, ...
+            batch["second_per_grid_ts"] = torch.tensor([0.5 * (1 + k % 3) for k in range(len(vid_grids))])
     return batch
 
 

@@ -133,15 +133,24 @@ def sd3_batches():
 
 #: name -> (model fn, batches fn, compile kwargs), the models the multi-rank test trains
 QWEN_IMAGE_HW = ((16, 16), (16, 24), (24, 32))  # 4, 6 and 12 tokens: image sizes differ within every batch
+QWEN_VIDEO_FHW = ((4, 16, 16), (2, 16, 24), (4, 24, 16))  # frames, height, width: 8, 6 and 12 tokens
+#: videos per sample of each Qwen batch: with COUNTS, the steps' microbatches hold (text only | image + video),
+#: (image + video | text only), (image + video | image)
+QWEN_VIDEOS = [[0, 1, 1, 0], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0]]
 
 
 def qwen2_vl():
     return hf_vlm.tiny_qwen2_vl(0)
 
 
+def _qwen_batches(cfg):
+    return [hf_vlm.qwen2_vl_batch(c, s + 32, seed, config=cfg, image_hw=QWEN_IMAGE_HW, videos=v,
+                                  video_fhw=QWEN_VIDEO_FHW)
+            for seed, (c, v, s) in enumerate(zip(COUNTS, QWEN_VIDEOS, SEQS))]
+
+
 def qwen2_vl_batches():
-    return [hf_vlm.qwen2_vl_batch(c, s + 16, seed, image_hw=QWEN_IMAGE_HW)
-            for seed, (c, s) in enumerate(zip(COUNTS, SEQS))]
+    return _qwen_batches(hf_vlm.tiny_qwen2_vl_config())
 
 
 def qwen2_5_vl():
@@ -149,9 +158,7 @@ def qwen2_5_vl():
 
 
 def qwen2_5_vl_batches():
-    cfg = hf_vlm.tiny_qwen2_5_vl_config()
-    return [hf_vlm.qwen2_vl_batch(c, s + 16, seed, config=cfg, image_hw=QWEN_IMAGE_HW)
-            for seed, (c, s) in enumerate(zip(COUNTS, SEQS))]
+    return _qwen_batches(hf_vlm.tiny_qwen2_5_vl_config())
 
 
 CASES = {

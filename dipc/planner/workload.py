@@ -157,7 +157,9 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
     part = compiled.partition
     mod_of = {c.index: c.modality for c in part.chunks}
     rank_of = {c.index: c.rank for c in part.chunks}
-    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    inst_of = {}  # modality -> its (first) instance kind
+    for i in compiled.batch_spec.instances:
+        inst_of.setdefault(i.modality, i)
     ex_units: dict[str, float] = {}  # filled on first use (only the no-device estimate needs it)
     stages: dict[str, Stage] = {}
     mb_forwards: list[str] = []
@@ -206,12 +208,13 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
         sub_progs = {}
         for mod, inst in inst_of.items():
             for j in range(len(mb.subs[mod])):
-                view = mb.sub_view(inst, j)
+                kind = mb.sub_kind(mod, j, inst)
+                view = mb.sub_view(kind, j)
                 sp = compiled.program_for(view, whole=False)
                 sub_progs[(mod, j)] = sp
                 for c in sorted(sp.chunks):
                     if mod_of[c] == mod:
-                        add_stage(c, m, j, sp, view, view[inst.keys[0]].shape[0])
+                        add_stage(c, m, j, sp, view, view[kind.keys[0]].shape[0])
         units = _units(compiled, mb.data)
         for c in sorted(prog.chunks):
             if mod_of[c] not in inst_of:
@@ -229,16 +232,24 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                 if src_mod == st.modality or src_mod not in inst_of:
                     w[inp.name] = [(stage_key("F", inp.src_chunk, m, st.sub if src_mod == st.modality else -1), inp.name)]
                     continue
-                # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs
-                k_idx = p.boundary[src_mod].index(inp.name)
+                # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs (of the
+                # instance kind the value is made from, where the modality has several)
+                kind_of = _boundary_kinds(p, src_mod, mb.kinds.get(src_mod))
+                mine = [n for n in p.boundary[src_mod] if kind_of[n] is kind_of[inp.name]]
+                k_idx = mine.index(inp.name)
                 producers = []
                 for j in range(len(mb.subs[src_mod])):
+                    kind = mb.sub_kind(src_mod, j, inst_of[src_mod])
+                    if kind_of[inp.name] is not None and kind is not kind_of[inp.name]:
+                        continue
                     sp = sub_progs[(src_mod, j)]
-                    if len(sp.boundary.get(src_mod, [])) != len(p.boundary[src_mod]):
+                    theirs = [n for n in sp.boundary.get(src_mod, [])
+                              if _boundary_kinds(sp, src_mod, mb.kinds.get(src_mod))[n] is kind_of[inp.name]]
+                    if len(theirs) != len(mine):
                         raise PlanError(f"the capture for sub-microbatch {j} of microbatch {m} hands "
                                         f"{sp.boundary.get(src_mod)} from {src_mod} to the backbone, the microbatch's "
                                         f"capture expects {p.boundary[src_mod]}")
-                    name = sp.boundary[src_mod][k_idx]
+                    name = theirs[k_idx]
                     src_chunk = next(c for c, cmj in sp.chunks.items() if name in cmj.outputs)
                     producers.append((stage_key("F", src_chunk, m, j), name))
                 w[inp.name] = producers
@@ -427,9 +438,29 @@ def _example_units(compiled) -> dict[str, float]:
     return out
 
 
+def _boundary_kinds(prog, modality: str, kinds) -> dict:
+    """Each value ``prog``'s ``modality`` chunks hand to other modalities -> the instance kind it is made from
+    (the kind whose keys it depends on), or ``None`` for every value where the modality has one kind."""
+    names = prog.boundary.get(modality, [])
+    if not kinds:
+        return dict.fromkeys(names)
+    out = {}
+    for n in names:
+        deps = prog.boundary_keys.get(n, frozenset())
+        hit = [k for k in kinds if deps & set(k.keys)]
+        if len(hit) != 1:
+            raise PlanError(f"{modality} value {n!r} depends on the keys of {len(hit)} instance kinds "
+                            f"({sorted(deps)}): each value a modality hands on must come from one kind")
+        out[n] = hit[0]
+    return out
+
+
 def _count_example_units(compiled, ex) -> dict[str, float]:
     out = {}
-    inst_of = {i.modality: i for i in compiled.batch_spec.instances}
+    inst_of = {}
+    for i in compiled.batch_spec.instances:
+        if all(k in ex.input_keys.values() for k in i.keys):
+            inst_of.setdefault(i.modality, i)
     shapes = {}
     for n in ex.graph.nodes:
         if n.op == "placeholder" and n.name in ex.input_keys:

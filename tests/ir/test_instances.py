@@ -306,3 +306,64 @@ def test_a_whole_sample_sub_microbatch_cuts_the_other_modalitys_instances_too():
     assert "pixel" not in view and view["n_images"].tolist() == [0] and view["audio"].shape[0] == 1
     local_check(model, c, b, 1)
     local_check(model, c, tiled_audio_batch([0, 1, 1, 2], [3, 0, 1, 1], 14, 4), 2)
+
+
+CLIP = 62
+
+
+class TwoKindVLM(torch.nn.Module):
+    """Images ``image [N, D]`` and clips ``clip [M, 2, D]`` (two frames, mean-pooled) encoded by one tower: two
+    instance kinds of one modality, each scattered into its own placeholder tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.vision_tower = _Stack(3)
+        self.embed = torch.nn.Embedding(64, D)
+        self.language_model = _Stack(2)
+        self.head = torch.nn.Linear(D, 64)
+
+    def forward(self, input_ids, labels, image=None, clip=None):
+        emb = self.embed(input_ids)
+        if image is not None:
+            emb = emb.masked_scatter((input_ids == TOK).unsqueeze(-1), self.vision_tower(image))
+        if clip is not None:
+            emb = emb.masked_scatter((input_ids == CLIP).unsqueeze(-1), self.vision_tower(clip).mean(1))
+        logits = self.head(self.language_model(emb))
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), labels[:, 1:].reshape(-1))
+
+
+def two_kind_batch(images, clips, seq, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CLIP, (len(images), seq), generator=g)
+    for b, (n, m) in enumerate(zip(images, clips)):
+        ids[b, 1:1 + n] = TOK
+        ids[b, 2 + n:2 + n + m] = CLIP
+    out = {"input_ids": ids, "labels": ids.masked_fill((ids == TOK) | (ids == CLIP), -100)}
+    if sum(images):
+        out["image"] = torch.randn(sum(images), D, generator=g)
+    if sum(clips):
+        out["clip"] = torch.randn(sum(clips), 2, D, generator=g)
+    return out
+
+
+def test_two_instance_kinds_of_one_modality_are_cut_kind_by_kind():
+    """Issue 35 §3 (videos as a second instance kind): images and clips through one vision tower.  Each
+    sub-microbatch holds instances of one kind (the other kind's keys left out of its view); the backbone gets each
+    kind's features concatenated over that kind's sub-microbatches; equal to the unsplit model with text-only,
+    image-only, clip-only and mixed microbatches in both orders, on one capture per set of kinds present."""
+    torch.manual_seed(0)
+    model = TwoKindVLM()
+    kinds = [dipc.Instances("vision", ("image",), token_id=TOK, drop_when_empty=True, sub_microbatch_size=2),
+             dipc.Instances("vision", ("clip",), token_id=CLIP, drop_when_empty=True, sub_microbatch_size=2)]
+    c = dipc.compile(model, two_kind_batch([1, 2, 0, 1], [1, 0, 2, 1], 12, 0), 2, instances=kinds, check=True)
+    b = two_kind_batch([0, 0, 3, 0], [0, 0, 2, 1], 12, 1)
+    mbs = c.batch_spec.split(b, 2)
+    assert mbs[0].subs["vision"] == [] and mbs[1].instances["vision"] == 6
+    assert mbs[1].subs["vision"] == [(0, 2), (2, 3), (0, 2), (2, 3)]
+    assert [k.keys for k in mbs[1].sub_kinds["vision"]] == [("image",)] * 2 + [("clip",)] * 2
+    view = mbs[1].sub_view(mbs[1].sub_kind("vision", 3, kinds[0]), 3)
+    assert "image" not in view and view["clip"].shape[0] == 1
+    for images, clips in (([0, 0, 3, 0], [0, 0, 2, 1]), ([1, 1, 0, 0], [2, 0, 0, 0]), ([0, 0, 0, 0], [1, 2, 1, 1]),
+                          ([2, 1, 1, 3], [0, 0, 0, 0]), ([1, 0, 2, 0], [0, 3, 0, 1])):
+        local_check(model, c, two_kind_batch(images, clips, 12, sum(images) + 7 * sum(clips)), 2)
+    assert len(c.programs) <= 4, len(c.programs)  # {images, clips}, {images}, {clips}, {} whatever the counts
