@@ -13,7 +13,8 @@ import torch.fx
 
 from .capture import Capture
 from .passes.cost import node_latency
-from .passes.symcost import CompiledCost, GraphContext, annotate_symbolic_cost, compile_costs
+from .passes.symcost import (SELECTIVE_SAVED_FAMILIES, CompiledCost, GraphContext, annotate_symbolic_cost,
+                              compile_costs)
 from .program import Program, _bindings
 
 
@@ -155,8 +156,20 @@ class CostingMixin:
                     biggest = (v, sc)
             pick = biggest[1] if biggest else None
             out[c] = compile_costs(ns, extra={**extra, "op_peak_bytes": lambda sc, pick=pick: sc.bytes_written
-                                              if sc is pick else sympy.Integer(0)})
+                                              if sc is pick else sympy.Integer(0), **self._selective_fields()})
         return out
+
+    def _selective_fields(self) -> dict:
+        """The two costs of op-selective recompute (Megatron's selective recompute, torch's selective activation
+        checkpointing keeping :data:`dipc.passes.symcost.SELECTIVE_SAVED_FAMILIES`): ``selective_keep_bytes``, the
+        outputs of the matmuls, attention and convolutions that carry a gradient (what the checkpoint caches
+        besides the chunk's inputs), and ``selective_recompute_f``, the forward seconds of every other op (what
+        the backward runs again)."""
+        T = self.tp_size
+        saved = SELECTIVE_SAVED_FAMILIES
+        return {"selective_keep_bytes": lambda sc: sc.bytes_written / T if sc.family in saved and sc.flops_bwd != 0
+                else sympy.Integer(0),
+                "selective_recompute_f": lambda sc: sympy.Integer(0) if sc.family in saved else self._latency_f(sc)}
 
     # ------------------------------------------------------------------ inspection
     def chunk_latency(self, chunk: int) -> float:

@@ -60,8 +60,12 @@ class TensorSpec:
 
 #: memory strategies a stage may carry (DESIGN.md "Memory"); besides these, "recompute:<k>" (k >= 1): the first k
 #: layers of the chunk recompute, each as its own checkpoint, and "recompute:<k>/<g>": in checkpoints of g layers
-#: (:func:`recompute_layout`)
-STRATEGIES = {"keep", "recompute"}
+#: (:func:`recompute_layout`); "selective": op-selective recompute of the whole chunk
+STRATEGIES = {"keep", "recompute", "selective"}
+
+#: :func:`recompute_layout` of "selective": no layer recomputes whole; the chunk is one checkpoint that keeps its
+#: matmul, attention and convolution outputs (torch's selective activation checkpointing)
+SELECTIVE_LAYOUT = (0, 0)
 
 
 def recompute_layout(strategy: str) -> tuple[int, int] | None:
@@ -69,7 +73,8 @@ def recompute_layout(strategy: str) -> tuple[int, int] | None:
     one region), ``(k, g)`` for "recompute:k/g": the chunk's first k layers (:func:`dipc.codegen.stage.chunk_layers`)
     in activation checkpoints of g consecutive layers each (the last may hold fewer).  "recompute:k" is
     "recompute:k/1", each layer its own checkpoint: Megatron's ``--recompute-method block --recompute-num-layers
-    k``; "recompute:k/k" is one checkpoint over the k layers.
+    k``; "recompute:k/k" is one checkpoint over the k layers.  "selective" (Megatron's ``--recompute-granularity
+    selective``, by op family): :data:`SELECTIVE_LAYOUT`.
 
     Raises:
         PlanError: not a known strategy (``k`` and ``g`` decimal ints, ``1 <= g <= k``).
@@ -78,18 +83,20 @@ def recompute_layout(strategy: str) -> tuple[int, int] | None:
         return 0, 1
     if strategy == "recompute":
         return None
+    if strategy == "selective":
+        return SELECTIVE_LAYOUT
     if isinstance(strategy, str) and strategy.startswith("recompute:"):
         k, sep, g = strategy[len("recompute:"):].partition("/")
         g = g if sep else "1"
         if all(x.isascii() and x.isdigit() and x == str(int(x)) for x in (k, g)) and 1 <= int(g) <= int(k):
             return int(k), int(g)
-    raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'recompute:<k>' (k >= 1 "
-                    "layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of g <= k layers)")
+    raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'selective', 'recompute:<k>' "
+                    "(k >= 1 layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of g <= k layers)")
 
 
 def recomputed_blocks(strategy: str) -> int | None:
-    """How many of a chunk's layers a memory strategy recomputes: 0 for "keep", ``None`` for "recompute" (the
-    whole chunk), ``k`` for "recompute:k" and "recompute:k/g" (:func:`recompute_layout`).
+    """How many of a chunk's layers a memory strategy recomputes whole: 0 for "keep" and "selective", ``None`` for
+    "recompute" (the whole chunk), ``k`` for "recompute:k" and "recompute:k/g" (:func:`recompute_layout`).
 
     Raises:
         PlanError: not a known strategy.
@@ -156,7 +163,9 @@ class Action:
             saves until the backward), "recompute" (the forward keeps only its inputs and runs without autograd;
             the backward runs it again, with the forward's RNG state, then back-propagates), "recompute:k" (each
             of the chunk's first k layers runs under its own activation checkpoint: per-layer recompute) or
-            "recompute:k/g" (those layers in checkpoints of g layers each, :func:`recompute_layout`).
+            "recompute:k/g" (those layers in checkpoints of g layers each, :func:`recompute_layout`) or
+            "selective" (the forward runs as one activation checkpoint that keeps the outputs of its matmuls,
+            attention and convolutions; the backward runs every other op again: op-selective recompute).
     """
 
     kind: str
@@ -191,7 +200,8 @@ class Action:
     def __str__(self) -> str:
         s = f".{self.sub}" if self.sub >= 0 else ""
         if self.kind in COMPUTE:
-            r = {"keep": "", "recompute": "r"}.get(self.strategy, "r" + self.strategy[len("recompute:"):])
+            r = {"keep": "", "recompute": "r", "selective": "s"}.get(self.strategy,
+                                                                     "r" + self.strategy[len("recompute:"):])
             return f"{self.chunk}{self.kind}{self.mb}{s}{r}"
         ps = f".{self.peer_sub}" if self.peer_sub >= 0 else ""
         arrow = "->" if self.kind in SENDS else "<-"

@@ -27,6 +27,7 @@ Pure: works on a :class:`dipc.stages.StageGraph` and per-rank orders; no process
 """
 from __future__ import annotations
 
+import collections
 import functools
 import time
 from typing import Sequence
@@ -210,6 +211,15 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                 c = graph.stages[k].chunk
                 here = [x[0] for x in t.opts]
                 names[c] = here if c not in names else [n for n in names[c] if n in here]
+            # a group's candidates from the most memory to the least (what _solve's rounding assumes): by their
+            # bytes over the chunk's pairs, the options' own order kept on ties
+            total: dict[tuple[int, str], float] = collections.defaultdict(float)
+            for k, t in zip(pairs, tabs):
+                c = graph.stages[k].chunk
+                for o in t.opts:
+                    total[(c, o[0])] += o[1]
+            for c in names:
+                names[c] = sorted(names[c], key=lambda n, c=c: -total[(c, n)])
             base_of, n_var = {}, 0
             for c in sorted(names):
                 base_of[c] = n_var

@@ -41,7 +41,10 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     bytes per GPU its backward holds again while it recomputes)`` for "keep", "recompute:k" for every k in
     1 .. layers (each of the chunk's first k layers is its own activation checkpoint: it keeps its inputs instead of
     its saved bytes, its forward seconds join the backward, and the backward rebuilds one layer at a time, the
-    largest of them at its peak), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
+    largest of them at its peak), "selective" (the chunk as one checkpoint that keeps its inputs and the outputs of
+    its matmuls, attention and convolutions, :data:`dipc.passes.symcost.SELECTIVE_SAVED_FAMILIES`: its backward
+    runs every other op again, their forward seconds, and rebuilds what they saved; offered where it keeps less
+    than "keep", with a device profile), "recompute:k/k" for k >= 2 (one checkpoint over those k layers: it keeps the
     chunk's inputs, and the backward rebuilds all k at once), "recompute:n/g" for g = 2, 4, 8, ... < n layers (all of them in
     checkpoints of g consecutive layers, Megatron's ``--recompute-method uniform --recompute-num-layers g``: it keeps
     each checkpoint's input, and the backward rebuilds one checkpoint at a time, the largest at its peak) and
@@ -84,6 +87,11 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         g *= 2
     if inputs < keep:
         out.append(("recompute", inputs, f_lat, keep - inputs))
+    cost = prog.stage_cost(st.chunk, w.bindings[fk])
+    if cost is not None and "selective_keep_bytes" in cost:
+        kept = inputs + cost["selective_keep_bytes"]
+        if kept < keep:
+            out.append(("selective", kept, cost["selective_recompute_f"], keep - kept))
     return out
 
 

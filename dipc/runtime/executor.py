@@ -20,6 +20,7 @@ from .transport import _completed, _LocalTransport
 from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies, dtype_name,
                                 split_for)
 from ..planner.options import set_recompute
+from .selective import kept_bytes, run_selective
 from ..planner.planning import make_plan
 
 
@@ -81,6 +82,7 @@ class Executor:
         self.outputs: dict[str, dict[str, torch.Tensor]] = {}
         self.leaves: dict[str, dict[str, torch.Tensor]] = {}
         self.saved: dict[str, tuple] = {}  # recompute stages: F key -> (inputs, RNG state at the forward)
+        self.measure: dict | None = None  # run_local(measure=): F key -> (strategy, bytes kept, measured)
         self.grads: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # F key -> output name -> grad
         self.out_grads: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (F key, producer F key) -> grads
         self.recv: dict[int, tuple[list, list]] = {}
@@ -277,10 +279,15 @@ class Executor:
             self.outputs[fk] = out
             self._used(fk, 0)
             return
+        if self.measure is not None and a.strategy in ("keep", "selective"):  # what the forward keeps, measured
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.measure[fk] = (a.strategy, kept_bytes(mod, kwargs, a.strategy)[0])
         if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
                 out = mod(**kwargs)
+        elif a.strategy == "selective":  # one checkpoint keeping the matmul / attention / conv outputs
+            out = run_selective(mod, kwargs)
         elif a.strategy != "keep":  # "recompute:k/g": the first k layers under checkpoints of g layers each
             with torch.enable_grad():
                 out = self._prefix_module(prog, a.chunk, *recompute_layout(a.strategy))(**kwargs)
@@ -453,7 +460,7 @@ def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:
 
 def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, plan: Plan | None = None,
               recompute: Callable[[Stage], bool] | bool = False, memory_limit: float | None = None,
-              schedule: str = "dip", **planning):
+              schedule: str = "dip", measure: dict | None = None, **planning):
     """Execute one step of every rank in this process and return ``(loss, plan)``.
 
     Gradients accumulate into the model's parameters exactly as the distributed pipeline's would (tied weights
@@ -461,7 +468,10 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     that recompute (:func:`set_recompute`); ``memory_limit``: bytes per device the plan stays under
     (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`; ``planning``: the other options of
     :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).  Under ``torch.autocast("cpu", ...)`` the chunks run
-    under it and the messages carry its dtypes.
+    under it and the messages carry its dtypes.  ``measure``: a dict that gets, per forward stage at "keep" or
+    "selective", ``(strategy, bytes it keeps for its backward)`` measured on a copy of its inputs
+    (:func:`dipc.runtime.selective.kept_bytes`), and ``measure["workload"]`` the step's workload (its
+    :func:`dipc.planner.options.memory_options` are the model's figures).
     """
     meta = [n for n, t in compiled._state.items() if isinstance(t, torch.Tensor) and t.is_meta]
     if meta:
@@ -480,6 +490,10 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     check_strategies(w, plan)
     tr = _LocalTransport()
     ex = [Executor(r, w, plan, tr.bind(r), _modules_of(w, {r})) for r in range(compiled.pp_size)]
+    if measure is not None:
+        measure["workload"] = w
+        for e in ex:
+            e.measure = measure
     for r, i in order:
         ex[r].do(plan.ranks[r][i])
     for e in ex:

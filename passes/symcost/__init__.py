@@ -86,9 +86,9 @@ Package layout (one module per concern; the op families' rules are split along t
 """
 from .compiled import CompiledCost, compile_costs, compile_groups
 from .context import GraphContext
-from .families import FAMILIES, op_family
+from .families import FAMILIES, SELECTIVE_SAVED_FAMILIES, op_family, op_name_family
 from .record import FIELDS, SymCost, recompute
 from .rules import annotate_symbolic_cost
 
-__all__ = ["SymCost", "FAMILIES", "annotate_symbolic_cost", "op_family", "recompute", "compile_costs",
-           "CompiledCost", "compile_groups", "FIELDS", "GraphContext"]
+__all__ = ["SymCost", "FAMILIES", "SELECTIVE_SAVED_FAMILIES", "annotate_symbolic_cost", "op_family", "op_name_family",
+           "recompute", "compile_costs", "CompiledCost", "compile_groups", "FIELDS", "GraphContext"]

@@ -64,6 +64,24 @@ _VIEW_BASE = {"view", "_unsafe_view", "reshape", "transpose", "t", "permute", "u
               "unfold"}
 
 
+#: the families whose outputs op-selective recompute keeps (Megatron's selective recompute keeps the matmuls'
+#: and attention's outputs and recomputes the cheap, memory-heavy ops between them)
+SELECTIVE_SAVED_FAMILIES = ("matmul", "attention", "conv")
+
+
+def op_name_family(name: str) -> str:
+    """The family of an op by its name alone (``"addmm"``, ``"_scaled_dot_product_flash_attention_for_cpu"``,
+    ``"convolution"``...): "matmul", "attention", "conv", or "other" for every other name (the dispatcher-level
+    view torch's selective checkpointing policies get; :func:`op_family` also tells views and copies apart)."""
+    if name in _MATMUL:
+        return "matmul"
+    if name in _ATTENTION:
+        return "attention"
+    if name in _CONV:
+        return "conv"
+    return "other"
+
+
 def _name(node: torch.fx.Node) -> str:
     t = node.target
     packet = getattr(t, "overloadpacket", None)

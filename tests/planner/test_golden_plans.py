@@ -31,8 +31,8 @@ Fixtures (compiled once per module each):
   with 3, 0 (text only), 4 and 3 images; the "h100" profile's memory capacity as the limit (nothing recomputes).
 * ``vlm4_limit``: 4 ranks, 8 + 8 layers, vision sub-microbatches of 2 images, 12 samples in 6 microbatches (one
   text only) under a memory limit of 1.1e6 bytes per device (0.57 to 0.74e6 of it the ranks' parameters, gradients
-  and optimizer states): every template recomputes, with whole-chunk, per-layer
-  ("recompute:k") and grouped ("recompute:k/g") strategies in the plans.
+  and optimizer states): every template recomputes, with whole-chunk, per-layer ("recompute:k"), grouped
+  ("recompute:k/g") and op-selective ("selective", ``s`` in the text) strategies in the plans.
 """
 import difflib
 import os

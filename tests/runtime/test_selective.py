@@ -1,0 +1,89 @@
+"""Op-selective recompute (issue "Memory strategies" §1, §3, §5): the executor runs a "selective" forward as one
+activation checkpoint keeping its matmul, attention and convolution outputs; the loss and every gradient equal the
+unsplit model's; the bytes each forward really keeps (measured: dipc.runtime.selective.kept_bytes) are within 10% of
+the cost model's figure for "keep" and for "selective"; the planner offers it to every pair and chooses it under a
+memory limit."""
+import dataclasses
+
+import pytest
+import torch
+
+import dipc
+import pipeline_cases as pc
+from dipc.planner.options import memory_options
+from dipc.runtime import run_local
+
+
+def _check(model, c, batch, n_microbatches=2):
+    _, plan = dipc.simulate(c, batch, n_microbatches)
+    # every other pair selective: "keep" and "selective" stages side by side, on every chunk
+    plan.ranks = [[dataclasses.replace(a, strategy="selective") if a.kind in ("F", "B") and (a.chunk + a.mb) % 2
+                   else a for a in acts] for acts in plan.ranks]
+    model.zero_grad(set_to_none=True)
+    ref = model(**c.batch_spec.eager_view(batch))
+    ref = ref if isinstance(ref, torch.Tensor) else ref.loss
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    measured = {}
+    loss, _ = run_local(c, batch, n_microbatches, plan, measure=measured)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    model.zero_grad(set_to_none=True)
+    w = measured.pop("workload")
+    seen = set()
+    for fk, (strategy, got) in sorted(measured.items()):
+        opts = {o[0]: o for o in memory_options(w, fk)}
+        assert "selective" in opts and opts["selective"][1] < opts["keep"][1], (fk, list(opts))
+        # it recomputes the cheap ops only: less than the whole forward again
+        assert 0 < opts["selective"][2] < w.graph.stages[fk].latency, (fk, opts["selective"])
+        want_bytes = opts[strategy][1]
+        assert abs(got - want_bytes) <= 0.10 * want_bytes, (fk, strategy, got, want_bytes)
+        seen.add(strategy)
+    assert seen == {"keep", "selective"}, seen
+
+
+def test_selective_recompute_on_the_reference_vlm():
+    torch.manual_seed(0)
+    model = pc.vlm()
+    batches = pc.vlm_batches_mixed()
+    c = dipc.compile(model, batches[0], 2, check=False, device="h800")
+    for b in (batches[2], batches[1]):  # a text-only microbatch first, then last
+        _check(model, c, b)
+
+
+@pytest.mark.hf
+def test_selective_recompute_on_hugging_face_llava():
+    torch.manual_seed(0)
+    model = pc.llava()
+    batches = pc.llava_batches_mixed()
+    c = dipc.compile(model, batches[0], 2, check=False, device="h800")
+    for b in (batches[2], batches[1]):
+        _check(model, c, b)
+
+
+def test_the_planner_chooses_selective_recompute_under_a_memory_limit():
+    """Under a limit between the plan's free peak and its static state, the DIP plan gives some pairs the
+    selective strategy, and the step still equals the unsplit model."""
+    torch.manual_seed(0)
+    model = pc.vlm()
+    batches = pc.vlm_batches_mixed()
+    c = dipc.compile(model, batches[0], 2, check=False, device="h800")
+    free, _ = dipc.simulate(c, batches[2], 4)
+    static = max(c.rank_state_bytes())
+    limit = static + 0.6 * (max(free.peak_memory) - static)
+    sim, plan = dipc.simulate(c, batches[2], 4, memory_limit=limit)
+    used = {a.strategy for _, a in plan.compute_actions()}
+    assert "selective" in used and max(sim.peak_memory) <= limit, (used, sim.peak_memory, limit)
+    model.zero_grad(set_to_none=True)
+    ref = model(**batches[2])
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss, _ = run_local(c, batches[2], 4, plan)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
