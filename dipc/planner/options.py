@@ -64,6 +64,10 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     if blocks is None:
         n = max(cm.n_layers, 1)
         blocks = [(1.0 / n, keep / n, inputs)] * n
+    else:  # a tensor several layers save (a RoPE table, a shared mask) is in each layer's bytes, once in the chunk's:
+        total_a = sum(b[1] for b in blocks)  # spread the chunk's own figure over its layers in their proportions
+        if total_a > keep > 0:
+            blocks = [(f, a * keep / total_a, i) for f, a, i in blocks]
     total_f = sum(b[0] for b in blocks) or 1.0
     done_f, done_a, held, rebuild, kept_after = 0.0, 0.0, 0.0, 0.0, sum(b[1] for b in blocks)
     for k in range(1, len(blocks) + 1):

@@ -279,9 +279,12 @@ class Executor:
             self.outputs[fk] = out
             self._used(fk, 0)
             return
-        if self.measure is not None and a.strategy in ("keep", "selective"):  # what the forward keeps, measured
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                self.measure[fk] = (a.strategy, kept_bytes(mod, kwargs, a.strategy)[0])
+        if self.measure is not None and a.strategy != "recompute":  # what the forward keeps, measured
+            layout = recompute_layout(a.strategy)
+            fwd = self._prefix_module(prog, a.chunk, *layout) if a.strategy not in ("keep", "selective") else None
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    torch.enable_grad():
+                self.measure[fk] = (a.strategy, kept_bytes(mod, kwargs, a.strategy, forward=fwd)[0])
         if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
@@ -468,8 +471,9 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     that recompute (:func:`set_recompute`); ``memory_limit``: bytes per device the plan stays under
     (:func:`make_plan`); ``schedule``: a template of :func:`dipc.schedules`; ``planning``: the other options of
     :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).  Under ``torch.autocast("cpu", ...)`` the chunks run
-    under it and the messages carry its dtypes.  ``measure``: a dict that gets, per forward stage at "keep" or
-    "selective", ``(strategy, bytes it keeps for its backward)`` measured on a copy of its inputs
+    under it and the messages carry its dtypes.  ``measure``: a dict that gets, per forward stage at any strategy
+    but "recompute" (which keeps its inputs by construction), ``(strategy, bytes it keeps for its backward)``
+    measured on a copy of its inputs
     (:func:`dipc.runtime.selective.kept_bytes`), and ``measure["workload"]`` the step's workload (its
     :func:`dipc.planner.options.memory_options` are the model's figures).
     """

@@ -42,24 +42,27 @@ def run_selective(module: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
         return checkpoint(module, use_reentrant=False, context_fn=_contexts, **kwargs)
 
 
-def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: str = "keep") -> tuple[int, Any]:
+def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: str = "keep",
+               forward: Callable[..., Any] | None = None) -> tuple[int, Any]:
     """Bytes a forward of ``module(**kwargs)`` really keeps for its backward under ``strategy`` ("keep" or
     "selective"), measured: every storage its ops allocate, and its inputs (copies, each requiring a gradient where
     the given one does, as the executor's received values do), is followed with torch's weak storage references;
     after the forward, with the inputs dropped, the storages still alive other than the outputs' are what
     autograd and the checkpoint hold (saved tensors, the selective policy's cache, the inputs they keep).
-    Parameters and buffers are not counted.  Returns ``(bytes, outputs)``.
+    Parameters and buffers are not counted.  ``forward``: what runs the forward instead (``forward(**inputs)``,
+    e.g. the chunk with its first layers under activation checkpoints for a "recompute:k/g" strategy), with
+    ``module``'s weights still not counted.  Returns ``(bytes, outputs)``.
 
     Raises:
-        ValueError: ``strategy`` is neither "keep" nor "selective"."""
+        ValueError: ``strategy`` is neither "keep" nor "selective" and no ``forward`` is given."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    if strategy not in ("keep", "selective"):
-        raise ValueError(f"kept_bytes measures 'keep' and 'selective', got {strategy!r}")
+    if forward is None and strategy not in ("keep", "selective"):
+        raise ValueError(f"kept_bytes runs 'keep' and 'selective' itself, got {strategy!r} without a forward")
     refs: dict[int, tuple[Any, int]] = {}
 
     def follow(t):
@@ -79,7 +82,10 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     for v in inputs.values():
         follow(v)
     with _Allocations():
-        out = run_selective(module, inputs) if strategy == "selective" else module(**inputs)
+        if forward is not None:
+            out = forward(**inputs)
+        else:
+            out = run_selective(module, inputs) if strategy == "selective" else module(**inputs)
     del inputs
     gc.collect()
     skip = {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}

@@ -41,9 +41,9 @@ def test_the_default_headroom_is_a_share_of_the_capacity_and_none_under_an_expli
             activation_budget(c, 1e9)
     finally:
         c.memory_headroom = None
-    c, b, static, act = case  # a headroom makes a plan recompute more to keep its peak that much lower
+    c, b, static, act = case  # a headroom makes a plan keep less, its peak that much lower
     limit = max(static) + 0.6 * act
-    seen = []
+    peaks = []
     for h in (0.0, 0.2 * act):
         c.memory_headroom = h
         try:
@@ -51,8 +51,10 @@ def test_the_default_headroom_is_a_share_of_the_capacity_and_none_under_an_expli
         finally:
             c.memory_headroom = None
         assert max(res.peak_memory) + h <= limit * (1 + 1e-9)
-        seen.append(plan.simulated["recomputed"])
-    assert seen[1] > seen[0], seen
+        peaks.append(max(res.peak_memory))
+    # the plan without a headroom uses memory the headroom forbids: the headroom changed the plan (which pairs
+    # recompute, and how, is the ILP's choice: a whole-chunk recompute may let more pairs keep)
+    assert peaks[0] > limit - 0.2 * act, (peaks, limit - 0.2 * act)
     import numpy as np
 
     c.memory_headroom = np.int64(1000)  # numbers of any real type
