@@ -152,6 +152,18 @@ def _check_counts(counts: Sequence[int]):
 
 
 # ----------------------------------------------------------------------------------------------------- Qwen2-VL
+def _qwen_text_and_ids(vocab_size: int) -> dict:
+    """The text model and token ids the tiny Qwen2-VL and Qwen2.5-VL configs share."""
+    return dict(text_config=dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [2, 1, 1]},
+                                 bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, use_cache=False,
+                                 attention_dropout=0.0),
+                image_token_id=vocab_size - 1, video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
+                vision_end_token_id=vocab_size - 4, tie_word_embeddings=False)
+
+
 def tiny_qwen2_vl_config(attn_implementation: str = "sdpa", vocab_size: int = 128):
     """A ``Qwen2VLConfig``: vision ViT depth 2, embed 32, 2 heads, patch 4, temporal patch 2, spatial merge 2,
     out (merger) 32; text Qwen2 width 32, 2 layers, 4 heads / 2 KV heads (head_dim 8, ``mrope_section [2, 1, 1]``),
@@ -162,15 +174,7 @@ def tiny_qwen2_vl_config(attn_implementation: str = "sdpa", vocab_size: int = 12
     config = Qwen2VLConfig(
         vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=4,
                            temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
-        text_config=dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 1, 1]},
-                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, use_cache=False,
-                         attention_dropout=0.0),
-        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
-        vision_end_token_id=vocab_size - 4, tie_word_embeddings=False,
-    )
+        **_qwen_text_and_ids(vocab_size))
     return _finish_config(config, attn_implementation)
 
 
@@ -210,15 +214,7 @@ def tiny_qwen2_5_vl_config(attn_implementation: str = "sdpa", vocab_size: int = 
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
                            temporal_patch_size=2, spatial_merge_size=2, in_channels=3, window_size=16,
                            fullatt_block_indexes=[1], out_hidden_size=32, tokens_per_second=2),
-        text_config=dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 1, 1]},
-                         bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, use_cache=False,
-                         attention_dropout=0.0),
-        image_token_id=vocab_size - 1, video_token_id=vocab_size - 2, vision_start_token_id=vocab_size - 3,
-        vision_end_token_id=vocab_size - 4, tie_word_embeddings=False,
-    )
+        **_qwen_text_and_ids(vocab_size))
     return _finish_config(config, attn_implementation)
 
 

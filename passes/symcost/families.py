@@ -100,12 +100,9 @@ def op_family(node: torch.fx.Node) -> str:
     op = _overload(node)
     if op is None:  # operator.getitem, operator.mul on SymInts, math functions ...
         return "view"
-    if name in _MATMUL:
-        return "matmul"
-    if name in _ATTENTION:
-        return "attention"
-    if name in _CONV:
-        return "conv"
+    compute = op_name_family(name)
+    if compute != "other":
+        return compute
     if name in _EMBEDDING:
         return "embedding"
     if name in _NORM:

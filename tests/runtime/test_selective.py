@@ -58,26 +58,27 @@ def _check(model, c, batch, n_microbatches=2, turn=0):
     return seen
 
 
-def test_selective_recompute_on_the_reference_vlm():
+def _every_strategy(model, batches, turns):
+    """Compile ``model`` for 2 ranks on the H800 profile and check it on batches 2 (a text-only microbatch first)
+    and 1 (one last) in turn, the strategies shifted by ``turns`` (:func:`_check`); the strategy kinds seen."""
     torch.manual_seed(0)
-    model = pc.vlm()
-    batches = pc.vlm_batches_mixed()
     c = dipc.compile(model, batches[0], 2, check=False, device="h800")
     seen = set()
-    for turn, b in enumerate((batches[2], batches[1], batches[2], batches[1])):  # text-only first, then last
-        seen |= _check(model, c, b, turn=3 * turn)
+    for turn in range(turns):
+        seen |= _check(model, c, batches[2 - turn % 2], turn=3 * turn)
+    return seen
+
+
+def test_selective_recompute_on_the_reference_vlm():
+    torch.manual_seed(0)
+    seen = _every_strategy(pc.vlm(), pc.vlm_batches_mixed(), 4)
     assert seen == {"keep", "selective", "recompute:"}, seen
 
 
 @pytest.mark.hf
 def test_selective_recompute_on_hugging_face_llava():
     torch.manual_seed(0)
-    model = pc.llava()
-    batches = pc.llava_batches_mixed()
-    c = dipc.compile(model, batches[0], 2, check=False, device="h800")
-    seen = set()
-    for turn, b in enumerate((batches[2], batches[1])):
-        seen |= _check(model, c, b, turn=turn)
+    seen = _every_strategy(pc.llava(), pc.llava_batches_mixed(), 2)
     assert {"keep", "selective"} <= seen, seen
 
 
