@@ -262,11 +262,13 @@ class BatchSpec:
             why = []
             if missing:
                 why.append(f"is missing key(s) {missing} of the example batch")
-            if extra:
-                near = [(k, difflib.get_close_matches(str(k), missing or expected, n=1)) for k in extra]
+            if extra:  # a misspelt key is one the batch lacks; a key beside its near namesake is new input
+                near = [(k, difflib.get_close_matches(str(k), missing, n=1)) for k in extra]
                 hints = [f"{m[0]!r} for {k!r}" for k, m in near if m]
                 why.append(f"has key(s) {extra} that the example batch did not have" +
-                           (f" (did you mean {', '.join(hints)}?)" if hints else ""))
+                           (f" (did you mean {', '.join(hints)}?)" if hints else
+                            " (dipc learns a batch's keys from the example batch given to dipc.compile: give it one "
+                            "holding every kind of input the training batches hold, e.g. images and videos)"))
             raise BatchError(f"batch {'; '.join(why)} (expected {expected})")
         for k, (ndim, dtype) in self.keys.items():
             if k not in batch:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.fx
 
 from .batch import BatchError, BatchSpec, Instances, LossReduction, batch_spec_from_example
-from .capture import is_meta
+from .capture import CaptureError, is_meta
 from .check import check_capture, check_pipeline
 from .passes.cost import annotate_cost
 from .passes.modality import DEFAULT_RULES, annotate_modality, modality_summary, module_path, rule_modality
@@ -36,6 +36,7 @@ from .costing import CostingMixin, _param_weights, _state_weights
 from .inspection import InspectionMixin
 from .planner.planning import check_memory_headroom
 from .programs import ProgramCacheMixin
+from .recipes import recipe_for
 
 __all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
 
@@ -91,7 +92,15 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self._warned: set = set()
         self.static_keys = list(static_keys)
         self.use_recipe = _recipe_agrees(model, example_batch, loss_key)
-        cap = self._capture(example_batch, first=True)
+        try:
+            cap = self._capture(example_batch, first=True)
+        except CaptureError as e:
+            if self.use_recipe or recipe_for(model) is None:
+                raise
+            raise CaptureError(f"{e}\n(dipc's capture recipe for {type(model).__name__}, which traces such code, was "
+                               "dropped: it does not reproduce the model's forward on the example batch, e.g. under "
+                               "a setting the recipe does not carry, such as dropout inside the vision attention)") \
+                from e
         self._progress.done("capture (torch.export)")
         if self.check:
             check_capture(model, cap, example_batch, loss_key=loss_key)
@@ -352,8 +361,6 @@ def _recipe_agrees(model: torch.nn.Module, batch: Mapping[str, Any], loss_key: s
     example batch (same random state), gives the model's own loss to the bit; a model on the meta device, which
     cannot run, is taken through the recipe as its family is.  A recipe that differs is dropped with a warning."""
     from .check import loss_of
-    from .recipes import recipe_for
-
     recipe = recipe_for(model)
     if recipe is None:
         return False

@@ -102,6 +102,9 @@ _ATTENTION_MODULE = types.SimpleNamespace(num_key_value_groups=1, is_causal=Fals
 
 def _packed_forward(q, k, v, segments, scale: float, impl: str) -> torch.Tensor:
     fn = _attention_function(impl)
+    if q.dtype != v.dtype or k.dtype != v.dtype:  # autocast: q and k leave the fp32 rotary, v its bf16 projection;
+        q, k = q.to(v.dtype), k.to(v.dtype)  # the attention runs in v's dtype, as autocast casts SDPA's inputs
+        # (inside a dispatch mode, e.g. selective checkpointing, autocast is off within the op)
     lengths = run_lengths(segments)
     if not lengths:
         return q.new_empty(q.shape[0], 0, q.shape[1], q.shape[3])
@@ -115,13 +118,14 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
                      impl: str) -> torch.Tensor:
     """Attention of ``q, k, v [1, H, P, D]`` within each run of equal ``segments [P]`` values (DIP's vision
     encoders attend per image or per frame), with the Hugging Face attention function ``impl``; returns
-    ``[1, P, H, D]`` (the layout of Hugging Face's attention functions' output)."""
+    ``[1, P, H, D]`` (the layout of Hugging Face's attention functions' output) in ``v``'s dtype (q and k are cast to
+    it where they differ, as autocast casts SDPA's inputs)."""
     return _packed_forward(q, k, v, segments, scale, impl)
 
 
 @packed_attention.register_fake
 def _packed_attention_fake(q, k, v, segments, scale, impl):
-    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[3])
+    return v.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[3])
 
 
 def _packed_attention_grads(grad, q, k, v, segments, scale: float, impl: str):

@@ -53,7 +53,7 @@ grad_out read once per operand gradient + the operand gradients written + the sa
 
 Activation bytes: what autograd keeps from forward to backward, per op (only when the node's output carries a
 gradient): linear/matmul keep the operand the *other* operand's gradient needs (parameters are not activations);
-attention keeps q, k, v, out and the fp32 logsumexp (flash layout); norms keep their input and fp32 statistics;
+attention keeps q, k, v, its mask or bias, out and the fp32 logsumexp (flash layout); norms keep their input and fp32 statistics;
 softmax, exp, tanh, sigmoid, rsqrt, sqrt, relu keep their output; other nonlinear pointwise ops (gelu, silu, pow, sin,
 ...) keep their input; mul/div keep the operands; where/masked_fill keep the mask; gathers keep their indices;
 cross-entropy keeps its fp32 log-probabilities and targets; add/sub/neg/casts/views/cat/reductions keep nothing.

@@ -90,6 +90,13 @@ def _node_cost(node: torch.fx.Node, ctx: GraphContext, causal_fraction: float) -
             saved.extend(a for a in node.args[:4] if isinstance(a, torch.fx.Node))
         else:
             saved.extend(a for a in node.args[:3] if isinstance(a, torch.fx.Node))
+            # an attention mask or bias (a causal mask made dense for padding: [B, 1, S, S]) is kept too; torch
+            # turns a boolean mask into an additive one of q's dtype, at its broadcast shape, and keeps that
+            for a in (*node.args[3:], *node.kwargs.values()):
+                if isinstance(a, torch.fx.Node) and _is_tensor(_val(a)):
+                    m = _val(a)
+                    saved.append((f"{ctx.base(a)[0]}#additive", _numel(m) * q.element_size())
+                                 if m.dtype == torch.bool else a)  # one per mask: the layers share it
             saved.append(node if not isinstance(out, (list, tuple)) else (f"{node.name}[0]", _bytes(out[0])))
             saved.append((f"{node.name}#lse", _prod(q.shape[:-1]) * 4))  # fp32 logsumexp per query row
     elif family == "conv":

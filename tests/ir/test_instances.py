@@ -367,3 +367,8 @@ def test_two_instance_kinds_of_one_modality_are_cut_kind_by_kind():
                           ([2, 1, 1, 3], [0, 0, 0, 0]), ([1, 0, 2, 0], [0, 3, 0, 1])):
         local_check(model, c, two_kind_batch(images, clips, 12, sum(images) + 7 * sum(clips)), 2)
     assert len(c.programs) <= 4, len(c.programs)  # {images, clips}, {images}, {clips}, {} whatever the counts
+    only_images = dipc.compile(model, two_kind_batch([1, 1, 0, 0], [0, 0, 0, 0], 12, 0), 2,
+                               instances=kinds[:1], check=False)
+    with pytest.raises(BatchError, match=r"key\(s\) \['clip'\] that the example batch did not have \(dipc learns a "
+                                         r"batch's keys from the example batch"):  # not "did you mean 'image'"
+        only_images.batch_spec.split(two_kind_batch([1, 0, 0, 0], [0, 1, 0, 0], 12, 3), 2)

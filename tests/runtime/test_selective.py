@@ -105,3 +105,35 @@ def test_the_planner_chooses_selective_recompute_under_a_memory_limit():
     for k, p in model.named_parameters():
         if k in want:
             torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.hf
+def test_selective_recompute_of_qwen2_vl_under_bf16_autocast():
+    """Qwen2-VL's vision attention under autocast: q and k leave the fp32 rotary, v its bf16 projection; inside
+    the selective checkpoint's (and the byte measurement's) dispatch mode autocast is off within dipc's packed
+    attention, which must still run it in one dtype.  Loss and gradients equal the unsplit model under the same
+    autocast, within bf16's tolerance, with every pair at "selective" and measured."""
+    from dipc.models import hf_vlm
+    from dipc.planner.planning import make_plan
+    from dipc.planner.workload import autocast_state, build_workload, split_for
+
+    torch.manual_seed(0)
+    model = hf_vlm.tiny_qwen2_vl(0)
+    b = hf_vlm.qwen2_vl_batch([1, 1, 2, 0], 64, 3, image_hw=((16, 16), (16, 24)), videos=[1, 0, 0, 1])
+    c = dipc.compile(model, b, 2, check=False, device="h800")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(**b).loss
+        ref.backward()
+        want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        w = build_workload(c, split_for(c, b, 2, "dip"), autocast_state(torch.device("cpu")))
+        plan = make_plan(c, w, 0, check=False)
+        plan.ranks = [[dataclasses.replace(a, strategy="selective") if a.kind in ("F", "B") else a for a in acts]
+                      for acts in plan.ranks]
+        measured = {}
+        loss, _ = run_local(c, b, 2, plan, measure=measured)
+    torch.testing.assert_close(loss.float(), ref.detach().float(), rtol=1e-2, atol=1e-2)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-2, atol=1e-2, msg=lambda m: f"{k}: {m}")
+    assert {v[0] for k, v in measured.items() if k != "workload"} == {"selective"}
