@@ -169,6 +169,13 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
     edges: dict[tuple[str, str], list[TensorSpec]] = {}
 
     bound: dict[tuple[int, int], dict] = {}  # (program, data) -> its bindings: each chunk of a view binds alike
+    boundary_kinds: dict[tuple[int, str], dict] = {}  # (program, modality) -> _boundary_kinds, once per step
+
+    def kinds_of(prog, modality, mb):
+        hit = boundary_kinds.get((id(prog), modality))
+        if hit is None:
+            hit = boundary_kinds[(id(prog), modality)] = _boundary_kinds(prog, modality, mb.kinds.get(modality))
+        return hit
 
     def add_stage(c, m, s, prog, view, units):
         bind = bound.get((id(prog), id(view)))  # both live until the workload is built: their ids stay theirs
@@ -234,7 +241,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                     continue
                 # a value from a sub-microbatched modality: concatenate its sub-microbatches' outputs (of the
                 # instance kind the value is made from, where the modality has several)
-                kind_of = _boundary_kinds(p, src_mod, mb.kinds.get(src_mod))
+                kind_of = kinds_of(p, src_mod, mb)
                 mine = [n for n in p.boundary[src_mod] if kind_of[n] is kind_of[inp.name]]
                 k_idx = mine.index(inp.name)
                 producers = []
@@ -244,7 +251,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                         continue
                     sp = sub_progs[(src_mod, j)]
                     theirs = [n for n in sp.boundary.get(src_mod, [])
-                              if _boundary_kinds(sp, src_mod, mb.kinds.get(src_mod))[n] is kind_of[inp.name]]
+                              if kinds_of(sp, src_mod, mb)[n] is kind_of[inp.name]]
                     if len(theirs) != len(mine):
                         raise PlanError(f"the capture for sub-microbatch {j} of microbatch {m} hands "
                                         f"{sp.boundary.get(src_mod)} from {src_mod} to the backbone, the microbatch's "
