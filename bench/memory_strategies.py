@@ -5,7 +5,7 @@ simulated, once with every memory strategy and once without "selective" (the pla
 this script), and with no limit (the unlimited-memory bound).  Models: VLM-S (PP 4, TP 4), VLM-M (PP 4, TP 8),
 VLM-L (PP 8, TP 8), as bench/paper.py builds them on meta.
 
-    python bench/selective_ablation.py [--models VLM-S,VLM-M,VLM-L] [--microbatches 64] [--schedules dip,optimus,mimo,1f1b]
+    python bench/memory_strategies.py [--models VLM-S,VLM-M,VLM-L] [--microbatches 64] [--schedules dip,optimus,mimo,1f1b]
                                        [--out FILE]
 
 Prints a Markdown table (and writes it to ``--out``): iteration time, peak memory, the strategies the plan chose.
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         return [o for o in own(w, fk) if o[0] != "selective"]
 
     lines = ["# Memory strategies at the paper's scale", "",
-             f"`python bench/selective_ablation.py --microbatches {args.microbatches}` (simulated)", "",
+             f"`python bench/memory_strategies.py --microbatches {args.microbatches}` (simulated)", "",
              f"{args.microbatches} microbatches (seed {args.seed}) per model, H800 profile; limit: the profile's "
              "80 GB capacity less the default headroom (5%), or none (the unlimited-memory bound)", "",
              "| model | schedule | strategies offered | iteration s | vs recompute only | vs unlimited | peak GB | "
