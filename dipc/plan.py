@@ -27,7 +27,8 @@ import re
 from typing import Iterable, NewType
 
 __all__ = ["TensorSpec", "Action", "Plan", "PlanError", "check_types", "StageKey", "stage_key", "backward_key",
-           "forward_key", "paired_key", "parse_stage_key", "recomputed_blocks", "recompute_layout", "forward_only"]
+           "forward_key", "paired_key", "parse_stage_key", "recomputed_blocks", "recompute_layout", "forward_only",
+           "offloads"]
 
 COMPUTE = ("F", "B")
 SENDS = ("SEND_F", "SEND_B")
@@ -60,12 +61,26 @@ class TensorSpec:
 
 #: memory strategies a stage may carry (DESIGN.md "Memory"); besides these, "recompute:<k>" (k >= 1): the first k
 #: layers of the chunk recompute, each as its own checkpoint, and "recompute:<k>/<g>": in checkpoints of g layers
-#: (:func:`recompute_layout`); "selective": op-selective recompute of the whole chunk
-STRATEGIES = {"keep", "recompute", "selective"}
+#: (:func:`recompute_layout`); "selective": op-selective recompute of the whole chunk; "offload": the chunk's saved
+#: activations copied to host memory after its forward and back before its backward
+STRATEGIES = {"keep", "recompute", "selective", "offload"}
 
 #: :func:`recompute_layout` of "selective": no layer recomputes whole; the chunk is one checkpoint that keeps its
 #: matmul, attention and convolution outputs (torch's selective activation checkpointing)
 SELECTIVE_LAYOUT = (0, 0)
+
+#: :func:`recompute_layout` of "offload": nothing recomputes; what the forward saves waits in host memory
+OFFLOAD_LAYOUT = (0, -1)
+
+#: a per-layer recompute strategy with this suffix ("recompute:k+offload", "recompute:k/g+offload") also offloads:
+#: what the chunk saves outside its checkpoints (the layers after the first k) waits in host memory
+OFFLOAD_SUFFIX = "+offload"
+
+
+def offloads(strategy: str) -> bool:
+    """Whether a memory strategy copies saved activations to host memory: "offload", "recompute:k+offload" and
+    "recompute:k/g+offload"."""
+    return strategy == "offload" or strategy.endswith(OFFLOAD_SUFFIX)
 
 
 def recompute_layout(strategy: str) -> tuple[int, int] | None:
@@ -74,7 +89,8 @@ def recompute_layout(strategy: str) -> tuple[int, int] | None:
     in activation checkpoints of g consecutive layers each (the last may hold fewer).  "recompute:k" is
     "recompute:k/1", each layer its own checkpoint: Megatron's ``--recompute-method block --recompute-num-layers
     k``; "recompute:k/k" is one checkpoint over the k layers.  "selective" (Megatron's ``--recompute-granularity
-    selective``, by op family): :data:`SELECTIVE_LAYOUT`.
+    selective``, by op family): :data:`SELECTIVE_LAYOUT`; "offload" (activation offload to host memory):
+    :data:`OFFLOAD_LAYOUT`; "recompute:k/g+offload": that of "recompute:k/g" (:func:`offloads` tells them apart).
 
     Raises:
         PlanError: not a known strategy (``k`` and ``g`` decimal ints, ``1 <= g <= k``).
@@ -85,18 +101,23 @@ def recompute_layout(strategy: str) -> tuple[int, int] | None:
         return None
     if strategy == "selective":
         return SELECTIVE_LAYOUT
+    if strategy == "offload":
+        return OFFLOAD_LAYOUT
     if isinstance(strategy, str) and strategy.startswith("recompute:"):
-        k, sep, g = strategy[len("recompute:"):].partition("/")
+        spec = strategy[len("recompute:"):]
+        spec = spec[:-len(OFFLOAD_SUFFIX)] if spec.endswith(OFFLOAD_SUFFIX) else spec
+        k, sep, g = spec.partition("/")
         g = g if sep else "1"
         if all(x.isascii() and x.isdigit() and x == str(int(x)) for x in (k, g)) and 1 <= int(g) <= int(k):
             return int(k), int(g)
-    raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'selective', 'recompute:<k>' "
-                    "(k >= 1 layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of g <= k layers)")
+    raise PlanError(f"unknown memory strategy {strategy!r}; known: 'keep', 'recompute', 'selective', 'offload', "
+                    "'recompute:<k>' (k >= 1 layers, each its own checkpoint) and 'recompute:<k>/<g>' (checkpoints of "
+                    f"g <= k layers), each also with {OFFLOAD_SUFFIX!r} (the layers after them offloaded)")
 
 
 def recomputed_blocks(strategy: str) -> int | None:
-    """How many of a chunk's layers a memory strategy recomputes whole: 0 for "keep" and "selective", ``None`` for
-    "recompute" (the whole chunk), ``k`` for "recompute:k" and "recompute:k/g" (:func:`recompute_layout`).
+    """How many of a chunk's layers a memory strategy recomputes whole: 0 for "keep", "selective" and "offload",
+    ``None`` for "recompute" (the whole chunk), ``k`` for "recompute:k" and "recompute:k/g" (:func:`recompute_layout`).
 
     Raises:
         PlanError: not a known strategy.
@@ -165,7 +186,10 @@ class Action:
             of the chunk's first k layers runs under its own activation checkpoint: per-layer recompute) or
             "recompute:k/g" (those layers in checkpoints of g layers each, :func:`recompute_layout`) or
             "selective" (the forward runs as one activation checkpoint that keeps the outputs of its matmuls,
-            attention and convolutions; the backward runs every other op again: op-selective recompute).
+            attention and convolutions; the backward runs every other op again: op-selective recompute) or
+            "offload" (what the forward saves for the backward, other than its inputs and the weights, is copied
+            to host memory; the backward gets it back first: activation offload) or "recompute:k+offload" /
+            "recompute:k/g+offload" (the first k layers recompute, what the rest saves is offloaded).
     """
 
     kind: str
@@ -200,8 +224,8 @@ class Action:
     def __str__(self) -> str:
         s = f".{self.sub}" if self.sub >= 0 else ""
         if self.kind in COMPUTE:
-            r = {"keep": "", "recompute": "r", "selective": "s"}.get(self.strategy,
-                                                                     "r" + self.strategy[len("recompute:"):])
+            r = {"keep": "", "recompute": "r", "selective": "s", "offload": "o"}.get(
+                self.strategy, "r" + self.strategy[len("recompute:"):].replace(OFFLOAD_SUFFIX, "o"))
             return f"{self.chunk}{self.kind}{self.mb}{s}{r}"
         ps = f".{self.peer_sub}" if self.peer_sub >= 0 else ""
         arrow = "->" if self.kind in SENDS else "<-"

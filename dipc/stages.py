@@ -43,6 +43,10 @@ class Stage:
         rebuild_bytes: on a recomputing forward, the bytes its backward holds again while it recomputes (a transient
             of the backward); ``None``: all it did not keep (``keep_bytes - activation_bytes``, the whole chunk
             rebuilt at once).
+        host_bytes: on a forward at an offloading strategy (:func:`dipc.plan.offloads`), the bytes its pair keeps
+            in host memory between the forward and the backward (per GPU).
+        host_limit: on a forward, the bytes of offloaded activations its rank may hold in host memory at once
+            (:func:`dipc.planner.memory.optimize_memory` keeps the rank's choice within it); None: no bound.
     """
 
     kind: str
@@ -61,6 +65,8 @@ class Stage:
     transient_bytes: float = 0.0
     forced: bool = False
     rebuild_bytes: float | None = None
+    host_bytes: float = 0.0
+    host_limit: float | None = None
 
     @property
     def key(self) -> str:

@@ -9,7 +9,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from .plan import (COMPUTE, RECVS, SENDS, Action, Plan, PlanError, check_types, forward_key, paired_key,
-                   recompute_layout, stage_key)
+                   offloads, recompute_layout, stage_key)
 
 __all__ = ["validate", "dry_run", "replay", "stage_keys", "incoming_messages"]
 
@@ -126,7 +126,8 @@ def validate(plan: Plan, types: bool = True) -> list[tuple[int, int]]:
             fr, fi = where[forward_key(st)]
             if fi >= i:
                 raise PlanError(f"on rank {r}, {a} runs before its forward")
-            if recompute_layout(plan.ranks[fr][fi].strategy) != lay:  # "k" is "k/1"
+            fs = plan.ranks[fr][fi].strategy
+            if recompute_layout(fs) != lay or offloads(fs) != offloads(a.strategy):  # "k" is "k/1"
                 raise PlanError(f"{plan.ranks[fr][fi]} has memory strategy {plan.ranks[fr][fi].strategy!r} but its "
                                 f"backward {a} has {a.strategy!r}")
     order = dry_run(plan, keys)

@@ -37,6 +37,7 @@ import numpy as np
 from ..plan import PlanError, backward_key, forward_key
 from ..stages import StageGraph
 from .fitting import fit_by_recompute, relax_recompute
+from .host_memory import within_host
 from .memory_kernels import hull_steps, interval_cover_lp, rank_rows, relax_inputs, round_up
 
 __all__ = ["prune_options", "optimize_memory", "apply_option", "fit_order", "S_DEFAULT"]
@@ -138,10 +139,10 @@ _BY_ID: dict[tuple, tuple] = {}  # (id(options), S, uniform) -> (options, _Candi
 
 def apply_option(graph: StageGraph, fk: str, option: tuple[str, float, float]) -> None:
     """Give forward ``fk`` and its backward the candidate ``option = (strategy, bytes, extra seconds[, rebuilt
-    bytes])``: both count its bytes, the backward's latency is its "keep" latency plus ``extra`` and it rebuilds
-    the given bytes while it runs (``Stage.rebuild_bytes``; without: all the forward did not keep); the forward
-    remembers its "keep" bytes and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo
-    it."""
+    bytes[, host bytes]])``: both count its bytes, the backward's latency is its "keep" latency plus ``extra`` and
+    it rebuilds the given bytes while it runs (``Stage.rebuild_bytes``; without: all the forward did not keep); an
+    offloading strategy's forward holds the host bytes (``Stage.host_bytes``); the forward remembers its "keep"
+    bytes and the extra (``keep_bytes``, ``recompute_extra``) so that later passes can undo it."""
     _apply(graph.stages[fk], graph.stages[backward_key(fk)], option)
 
 
@@ -152,6 +153,7 @@ def _apply(st, b, option: tuple) -> None:
             and st.rebuild_bytes is None and st.recompute_extra == extra and st.activation_bytes == nbytes \
             and b.activation_bytes == nbytes:
         return  # already so (most pairs of a rollout): every assignment below would leave it as it is
+    st.host_bytes = option[4] if len(option) > 4 else 0.0
     keep = st.keep_bytes if st.keep_bytes is not None else st.activation_bytes
     b.latency += extra - st.recompute_extra
     st.recompute_extra = extra
@@ -255,40 +257,50 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         if uniform:  # a chunk is free only if every one of its pairs is
             busy = {graph.stages[pairs[i]].chunk for i in np.flatnonzero(~free)}
             free &= np.fromiter((graph.stages[k].chunk not in busy for k in pairs), bool, len(pairs))
-        for i in np.flatnonzero(free).tolist():
-            t = tabs[i]
-            j = t.fastest if not uniform else min(sel[i], key=lambda q: (t.extra[q], -t.mem[q]))
-            _apply(fwd[i], bwd[i], t.opts[j])
-            stats["extra_s"] += t.opts[j][2]
         active = np.flatnonzero(~free)
-        if not len(active):
-            stats["pairs"] += len(pairs)
-            stats["solved"].append(r)
-            continue
         base = sum(fwd[i].latency + bwd[i].latency - fwd[i].recompute_extra
                    for i in active.tolist())  # the pairs' "keep" seconds
-        t_solve = time.perf_counter()
-        if uniform:
-            js, status, bound, n_var = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
-                                                      [var_l[i] for i in active], n_var, ra[active], rb[active],
-                                                      n_rows, M, gap, time_limit, base)
-        else:
-            js, status, bound = _solve_pairs([tabs[i] for i in active], ra[active], rb[active], n_rows, M, gap,
-                                             time_limit, base)
-            n_var = int(n_of[active].sum())
-        stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
-                                                  "rows": n_rows, "seconds": time.perf_counter() - t_solve,
-                                                  "how": status, "lower_bound_s": bound})
+
+        def choose(tabs):
+            """Per pair, the index of its chosen candidate in ``tabs[i].opts`` (None: the solver found none)."""
+            js_all = [0] * len(pairs)
+            for i in np.flatnonzero(free).tolist():
+                t = tabs[i]
+                js_all[i] = t.fastest if not uniform else min(sel[i], key=lambda q: (t.extra[q], -t.mem[q]))
+            if not len(active):
+                return js_all
+            t_solve = time.perf_counter()
+            if uniform:
+                js, status, bound, n_var = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
+                                                          [var_l[i] for i in active], n_var_u, ra[active],
+                                                          rb[active], n_rows, M, gap, time_limit, base)
+            else:
+                js, status, bound = _solve_pairs([tabs[i] for i in active], ra[active], rb[active], n_rows, M, gap,
+                                                 time_limit, base)
+                n_var = int(n_of[active].sum())
+            stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
+                                                      "rows": n_rows, "seconds": time.perf_counter() - t_solve,
+                                                      "how": status, "lower_bound_s": bound})
+            if js is None:
+                return None
+            for i, j in zip(active.tolist(), js):
+                js_all[i] = j
+            return js_all
+
+        n_var_u = n_var if uniform else 0
+        js_all = choose(tabs)
+        chosen = None if js_all is None else [t.opts[j] for t, j in zip(tabs, js_all)]
+        host_M = fwd[0].host_limit
+        if chosen is not None and host_M is not None:
+            chosen = within_host(ks, at_pair, fwd, tabs, js_all, host_M, choose,
+                                 lambda opts: _table(opts, S, not uniform))
         stats["pairs"] += len(pairs)
-        if js is None:
+        if chosen is None:
             stats["unsolved"].append(r)
             continue
-        extra_s = 0.0
-        for i, j in zip(active.tolist(), js):
-            o = tabs[i].opts[j]
+        for i, o in enumerate(chosen):
             _apply(fwd[i], bwd[i], o)
-            extra_s += o[2]
-        stats["extra_s"] += extra_s
+            stats["extra_s"] += o[2]
         stats["solved"].append(r)
     stats["seconds"] = time.perf_counter() - t0
     return stats
@@ -551,6 +563,7 @@ def copy_strategies(graph: StageGraph, source: StageGraph) -> None:
         o = graph.stages[k]
         o.strategy, o.activation_bytes, o.latency = st.strategy, st.activation_bytes, st.latency
         o.keep_bytes, o.recompute_extra, o.rebuild_bytes = st.keep_bytes, st.recompute_extra, st.rebuild_bytes
+        o.host_bytes = st.host_bytes
 
 
 def fit_order(graph: StageGraph, order: Sequence[Sequence[str]], limits: Sequence[float | None], recompute_cost,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..plan import PlanError, backward_key, recompute_layout
+from ..plan import OFFLOAD_SUFFIX, PlanError, backward_key, offloads, recompute_layout
 from ..stages import Stage
 from .workload import StepWorkload
 
@@ -49,7 +49,14 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     checkpoints of g consecutive layers, Megatron's ``--recompute-method uniform --recompute-num-layers g``: it keeps
     each checkpoint's input, and the backward rebuilds one checkpoint at a time, the largest at its peak) and
     "recompute" (the whole chunk as one region: its inputs only are kept, and the backward rebuilds all of it at
-    once).  Per-layer seconds and bytes come from the compiled per-layer costs on
+    once) and, where the device profile states its host link and host memory (``StepWorkload.host_bandwidth``),
+    "offload" (what the forward saves besides its inputs waits in host memory: it keeps its inputs on the device,
+    its backward waits for the part of the copy back that the action before it on the rank - taken as long as
+    the backward itself - does not hide, and holds those bytes again; the two copies' device-memory traffic is
+    charged too; the copy out overlaps what follows the
+    forward, and the simulator times both on the rank's link), and with it "recompute:k+offload" for k < layers
+    (the first k layers as "recompute:k", what the layers after them save offloaded, and the checkpoints' own
+    inputs, which torch saves for them outside them: the device keeps the chunk's inputs).  An offloading option has a fifth figure: the bytes per GPU it holds in host memory.  Per-layer seconds and bytes come from the compiled per-layer costs on
     the device profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split
     evenly over its layers, each reading as much as the chunk's inputs.  The forward must still be at "keep"."""
     st = w.graph.stages[fk]
@@ -69,6 +76,16 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         if total_a > keep > 0:
             blocks = [(f, a * keep / total_a, i) for f, a, i in blocks]
     total_f = sum(b[0] for b in blocks) or 1.0
+    bw = w.host_bandwidth
+    b_lat = w.graph.stages[backward_key(fk)].latency
+
+    def exposed(host: float) -> float:
+        """Seconds offloading ``host`` bytes costs the pair: the backward waits for what the prefetch during the
+        rank's action before it (taken as long as the backward) does not bring back, and the two copies read and
+        write the device's memory beside the compute (``2 host / mem_bandwidth``: never free, so "keep" stays the
+        choice where memory allows)."""
+        return max(0.0, host / bw - b_lat) + 2.0 * host / (w.mem_bandwidth or bw)
+
     done_f, done_a, held, rebuild, kept_after = 0.0, 0.0, 0.0, 0.0, sum(b[1] for b in blocks)
     for k in range(1, len(blocks) + 1):
         f, a, i = blocks[k - 1]
@@ -77,11 +94,14 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         kept_after -= a
         held += i
         rebuild = max(rebuild, a)
-        out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), f_lat * done_f / total_f,
-                    min(rebuild, keep)))
+        extra = f_lat * done_f / total_f
+        out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), extra, min(rebuild, keep)))
         if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
-            out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), f_lat * done_f / total_f,
-                        min(done_a, keep)))
+            out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), extra, min(done_a, keep)))
+        if bw and kept_after > 0 and inputs < keep:  # and what the layers after them save offloaded, with the
+            host = kept_after + max(held - inputs, 0.0)  # checkpoints' inputs (saved for them outside them)
+            out.append((f"recompute:{k}{OFFLOAD_SUFFIX}", inputs, extra + exposed(host), min(rebuild, keep) + host,
+                        host))
     n = len(blocks)
     g = 2
     while g < n:  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
@@ -91,6 +111,8 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         g *= 2
     if inputs < keep:
         out.append(("recompute", inputs, f_lat, keep - inputs))
+        if bw:
+            out.append(("offload", inputs, exposed(keep - inputs), keep - inputs, keep - inputs))
     cost = prog.stage_cost(st.chunk, w.bindings[fk])
     if cost is not None and "selective_keep_bytes" in cost:
         kept = inputs + cost["selective_keep_bytes"]
@@ -104,7 +126,7 @@ def rebuild_need(options) -> float:
     """Bytes a pair's backward must be able to rebuild when it recomputes in the least memory that rebuilds one
     layer at a time: the rebuild of its last per-layer option ("recompute:<all layers>") of
     :func:`memory_options`, or, without one, of its whole-chunk "recompute" (0 when it has neither)."""
-    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0]]
+    per_block = [o for o in options if o[0].startswith("recompute:") and "/" not in o[0] and not offloads(o[0])]
     if per_block:
         return per_block[-1][3]
     return max((o[3] for o in options if o[0] == "recompute"), default=0.0)
@@ -119,7 +141,8 @@ def group_rebuild_need(options, g: int) -> float:
     if g <= 1 or n == 0:
         return rebuild_need(options)
     layout = (n, min(g, n))
-    return next((o[3] for o in options if o[0] != "recompute" and recompute_layout(o[0]) == layout),
+    return next((o[3] for o in options if o[0] != "recompute" and not offloads(o[0])
+                 and recompute_layout(o[0]) == layout),
                 rebuild_need(options))
 
 

@@ -35,6 +35,10 @@ class StepWorkload:
         graph: the stage graph (stages, edges with tensors).
         amp: ``(device type, dtype name)`` of the ``torch.autocast`` the step runs under (its message dtypes are
             the ones autocast produces, :func:`autocast_dtypes`), or None.
+        host_bandwidth: bytes/s per direction of a GPU's link to host memory (the device profile's), or None:
+            activation offload is then not offered (:func:`dipc.planner.options.memory_options`).
+        mem_bandwidth: the device memory's bytes/s (the profile's), which offload's copies use too; None without
+            a profile.
     """
 
     microbatches: list[Microbatch]
@@ -46,6 +50,8 @@ class StepWorkload:
     graph: StageGraph
     tp_size: int = 1
     amp: tuple[str, str] | None = None  # (device type, dtype) of the torch.autocast the step runs under
+    host_bandwidth: float | None = None
+    mem_bandwidth: float | None = None
 
 
 def autocast_state(device: torch.device) -> tuple[str, str] | None:
@@ -291,7 +297,8 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                  for (s, d), t in edges.items()]
     return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
                         empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size,
-                        amp=amp)
+                        amp=amp, host_bandwidth=_host_bandwidth(compiled.device),
+                        mem_bandwidth=getattr(compiled.device, "mem_bandwidth", None))
 
 
 def check_strategies(w: StepWorkload, plan) -> None:
@@ -500,3 +507,10 @@ def split_for(compiled, batch, n_microbatches: int, schedule: str = "dip",
     whole = not template(schedule).sub_microbatches
     return compiled.batch_spec.split(batch, n_microbatches, whole_instances=whole,
                                      allow_unlabelled=allow_unlabelled)
+
+
+def _host_bandwidth(dev) -> float | None:
+    """A device profile's ``host_bandwidth`` where it also states ``host_memory`` (offload needs both), else None."""
+    if dev is None or dev.host_bandwidth is None or dev.host_memory is None:
+        return None
+    return dev.host_bandwidth

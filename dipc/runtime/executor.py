@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 import torch
 
 from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
-from ..plan import RECVS, SENDS, Plan, PlanError, recompute_layout, stage_key
+from ..plan import RECVS, SENDS, Plan, PlanError, offloads, recompute_layout, stage_key
 from ..validation import validate
 from ..stages import Stage
 
@@ -20,6 +20,7 @@ from .transport import _completed, _LocalTransport
 from ..planner.workload import (StepWorkload, autocast_state, build_workload, check_matches, check_strategies, dtype_name,
                                 split_for)
 from ..planner.options import set_recompute
+from .offload import run_offloaded
 from .selective import kept_bytes, run_selective
 from ..planner.planning import make_plan
 
@@ -82,6 +83,17 @@ class Executor:
         self.outputs: dict[str, dict[str, torch.Tensor]] = {}
         self.leaves: dict[str, dict[str, torch.Tensor]] = {}
         self.saved: dict[str, tuple] = {}  # recompute stages: F key -> (inputs, RNG state at the forward)
+        self.offloaded: dict = {}  # offload stages: F key -> its HostActivations until the backward
+        # offload stages: compute action (by id) -> the F key whose activations come back while it runs (the
+        # rank's next compute action is that stage's backward)
+        self.prefetch_at: dict[int, str] = {}
+        last = None
+        for a in plan.ranks[rank] if not plan.forward_only else ():
+            if a.kind not in ("F", "B"):
+                continue
+            if a.kind == "B" and a.strategy == "offload" and last is not None:
+                self.prefetch_at[id(last)] = stage_key("F", a.chunk, a.mb, a.sub)
+            last = a
         self.measure: dict | None = None  # run_local(measure=): F key -> (strategy, bytes kept, measured)
         self.grads: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)   # F key -> output name -> grad
         self.out_grads: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (F key, producer F key) -> grads
@@ -169,6 +181,9 @@ class Executor:
 
     def do(self, a):
         t = time.perf_counter()
+        ahead = self.prefetch_at.get(id(a))
+        if ahead is not None and ahead in self.offloaded:  # the next backward's activations come back meanwhile
+            self.offloaded[ahead].prefetch()
         if a.kind == "F":
             self._forward(a)
         elif a.kind == "B":
@@ -279,21 +294,24 @@ class Executor:
             self.outputs[fk] = out
             self._used(fk, 0)
             return
+        layout = recompute_layout(a.strategy)
+        prefix = self._prefix_module(prog, a.chunk, *layout) if layout is not None and layout[0] > 0 else None
         if self.measure is not None and a.strategy != "recompute":  # what the forward keeps, measured
-            layout = recompute_layout(a.strategy)
-            fwd = self._prefix_module(prog, a.chunk, *layout) if a.strategy not in ("keep", "selective") else None
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
                     torch.enable_grad():
-                self.measure[fk] = (a.strategy, kept_bytes(mod, kwargs, a.strategy, forward=fwd)[0])
+                kept, _, host = kept_bytes(mod, kwargs, a.strategy, forward=prefix)
+                self.measure[fk] = (a.strategy, kept, host) if offloads(a.strategy) else (a.strategy, kept)
         if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
             self.saved[fk] = (kwargs, _rng_state(self.device))
             with torch.no_grad():
                 out = mod(**kwargs)
         elif a.strategy == "selective":  # one checkpoint keeping the matmul / attention / conv outputs
             out = run_selective(mod, kwargs)
+        elif offloads(a.strategy):  # what it saves (outside its checkpoints) waits in host memory until the backward
+            out, self.offloaded[fk] = run_offloaded(prefix or mod, kwargs)
         elif a.strategy != "keep":  # "recompute:k/g": the first k layers under checkpoints of g layers each
             with torch.enable_grad():
-                out = self._prefix_module(prog, a.chunk, *recompute_layout(a.strategy))(**kwargs)
+                out = prefix(**kwargs)
         else:
             with torch.enable_grad():
                 out = mod(**kwargs)
@@ -338,8 +356,12 @@ class Executor:
             if name in g and isinstance(t, torch.Tensor) and t.requires_grad:
                 tensors.append(t)
                 grads.append(g[name])
+        host = self.offloaded.pop(fk, None)
+        if host is not None:
+            host.prefetch()  # (a no-op when the action before brought them back)
         if tensors:
             torch.autograd.backward(tensors, grads)
+        del host
         leaves = self.leaves.pop(fk)
         for name, leaf in leaves.items():
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -473,8 +495,8 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     :func:`make_plan` (``budget_s``, ``seed``, ``memory_opt``).  Under ``torch.autocast("cpu", ...)`` the chunks run
     under it and the messages carry its dtypes.  ``measure``: a dict that gets, per forward stage at any strategy
     but "recompute" (which keeps its inputs by construction), ``(strategy, bytes it keeps for its backward)``
-    measured on a copy of its inputs
-    (:func:`dipc.runtime.selective.kept_bytes`), and ``measure["workload"]`` the step's workload (its
+    measured on a copy of its inputs (:func:`dipc.runtime.selective.kept_bytes`; "offload": ``(strategy, bytes
+    kept on the device, bytes kept in host memory)``), and ``measure["workload"]`` the step's workload (its
     :func:`dipc.planner.options.memory_options` are the model's figures).
     """
     meta = [n for n, t in compiled._state.items() if isinstance(t, torch.Tensor) and t.is_meta]

@@ -15,6 +15,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..passes.symcost import SELECTIVE_SAVED_FAMILIES, op_name_family
+from ..plan import offloads
+from .offload import run_offloaded
 
 __all__ = ["run_selective", "saves_output", "kept_bytes"]
 
@@ -43,26 +45,29 @@ def run_selective(module: Callable[..., Any], kwargs: Mapping[str, Any]) -> Any:
 
 
 def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: str = "keep",
-               forward: Callable[..., Any] | None = None) -> tuple[int, Any]:
-    """Bytes a forward of ``module(**kwargs)`` really keeps for its backward under ``strategy`` ("keep" or
-    "selective"), measured: every storage its ops allocate, and its inputs (copies, each requiring a gradient where
+               forward: Callable[..., Any] | None = None) -> tuple[int, Any, int]:
+    """Bytes a forward of ``module(**kwargs)`` really keeps for its backward under ``strategy`` ("keep",
+    "selective" or "offload"), measured: every storage its ops allocate, and its inputs (copies, each requiring a gradient where
     the given one does, as the executor's received values do), is followed with torch's weak storage references;
     after the forward, with the inputs dropped, the storages still alive other than the outputs' are what
     autograd and the checkpoint hold (saved tensors, the selective policy's cache, the inputs they keep).
     Parameters and buffers are not counted.  ``forward``: what runs the forward instead (``forward(**inputs)``,
     e.g. the chunk with its first layers under activation checkpoints for a "recompute:k/g" strategy), with
-    ``module``'s weights still not counted.  Returns ``(bytes, outputs)``.
+    ``module``'s weights still not counted.  Under an offloading strategy (:func:`dipc.plan.offloads`) the host copies
+    (:class:`dipc.runtime.offload.HostActivations`) are not the device's: they are counted apart.  Returns
+    ``(bytes kept on the device, outputs, bytes kept in host memory)``.
 
     Raises:
-        ValueError: ``strategy`` is neither "keep" nor "selective" and no ``forward`` is given."""
+        ValueError: ``strategy`` is none of "keep", "selective" and "offload", and no ``forward`` is given."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    if forward is None and strategy not in ("keep", "selective"):
-        raise ValueError(f"kept_bytes runs 'keep' and 'selective' itself, got {strategy!r} without a forward")
+    if forward is None and strategy not in ("keep", "selective", "offload") and not offloads(strategy):
+        raise ValueError(f"kept_bytes runs 'keep', 'selective' and 'offload' itself, got {strategy!r} without a "
+                         "forward")
     refs: dict[int, tuple[Any, int]] = {}
 
     def follow(t):
@@ -81,8 +86,11 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
               for k, v in kwargs.items()}
     for v in inputs.values():
         follow(v)
+    host = None
     with _Allocations():
-        if forward is not None:
+        if offloads(strategy):
+            out, host = run_offloaded(forward or module, inputs)
+        elif forward is not None:
             out = forward(**inputs)
         else:
             out = run_selective(module, inputs) if strategy == "selective" else module(**inputs)
@@ -91,4 +99,6 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     skip = {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
     if isinstance(module, torch.nn.Module):  # weights (and their transposed views) are not activations
         skip |= {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())}
-    return sum(n for cdata, (ref, n) in refs.items() if cdata not in skip and not ref.expired()), out
+    on_host = host.host_storages if host is not None else set()
+    alive = {cdata: n for cdata, (ref, n) in refs.items() if cdata not in skip and not ref.expired()}
+    return sum(n for cdata, n in alive.items() if cdata not in on_host), out, host.host_bytes if host else 0

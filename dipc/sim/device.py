@@ -140,6 +140,11 @@ class DeviceProfile:
             ``source``).
         tp_bandwidth: bytes/s per direction of the links tensor-parallel collectives use (NVLink inside a node);
             None: ``p2p_bandwidth``.
+        host_bandwidth: bytes/s per direction of one GPU's link to host memory (PCIe), which activation offload
+            uses (DESIGN.md "Memory"); None (unknown, the default, and on CPU where "host" is device memory): the
+            planner offers no offload.
+        host_memory: bytes of host memory one GPU may fill with offloaded activations (its share of the node's);
+            None: unknown, no offload offered.
         meta: free-form details (host, torch version, threads, raw measurements); not used by the model.
 
     Raises:
@@ -167,12 +172,17 @@ class DeviceProfile:
     memory_capacity: float | None = None
     matmul_half_flops: float = 0.0
     tp_bandwidth: float | None = None
+    host_bandwidth: float | None = None
+    host_memory: float | None = None
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.matmul_half_flops = _check_pos("matmul_half_flops", self.matmul_half_flops, allow_zero=True)
         if self.tp_bandwidth is not None:
             self.tp_bandwidth = _check_pos("tp_bandwidth", self.tp_bandwidth)
+        for name in ("host_bandwidth", "host_memory"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _check_pos(name, getattr(self, name)))
         self.peak_flops = _check_pos("peak_flops", self.peak_flops)
         self.mem_bandwidth = _check_pos("mem_bandwidth", self.mem_bandwidth)
         self.p2p_bandwidth = _check_pos("p2p_bandwidth", self.p2p_bandwidth)
@@ -335,6 +345,20 @@ class DeviceProfile:
         if nbytes < 0:
             raise ValueError(f"p2p_time needs a non-negative size, got {nbytes}")
         return self.p2p_latency + self.alpha_for("p2p") * nbytes / self.p2p_bandwidth
+
+    def host_time(self, nbytes: float) -> float:
+        """Seconds one copy of ``nbytes`` between this GPU and host memory takes on its link (activation offload):
+        ``nbytes / host_bandwidth``.
+
+        Raises:
+            ValueError: ``nbytes`` is negative, or the profile has no ``host_bandwidth``.
+        """
+        if nbytes < 0:
+            raise ValueError(f"host_time needs a non-negative size, got {nbytes}")
+        if self.host_bandwidth is None:
+            raise ValueError(f"device profile {self.name!r} has no host_bandwidth (its link to host memory): set it "
+                             "to model activation offload")
+        return nbytes / self.host_bandwidth
 
     # ------------------------------------------------------------------ (de)serialization
     def to_dict(self) -> dict[str, Any]:

@@ -13,6 +13,12 @@ stage latencies).  :func:`simulate_plan` replays a :class:`dipc.plan.Plan` exact
   ``activation_bytes`` from its start until the end of its backward, each stage's ``transient_bytes`` while it
   runs, and (with ``buffer_bytes``) each receive's buffer from its posting to the end of its consumer and each
   send's packed copy until it has arrived; the peak of the sum is reported;
+* activation offload (``offload_bytes``, DESIGN.md "Memory"): a forward at "offload" copies what it saves out to
+  host memory over its rank's host link once it ends (the copy holds the device bytes until it is done), and its
+  backward's copy back starts when the rank begins its previous compute action (the executor's prefetch), or at the
+  backward if there is none; the backward starts once it is back.  Each rank's link runs one copy at a time, in
+  the order the rank issues them, ``host_time(bytes)`` seconds each; the host bytes are held from the copy out's
+  start to the copy back's end (``host_peak``);
 * the step ends ``epilogue`` seconds after the last action (end-of-step all-reduces, fixed per-step overhead).
 
 A plan that cannot finish (a receive whose send comes after it on the waiting chain) raises
@@ -28,7 +34,7 @@ import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
 
-from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, forward_key
+from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, backward_key, forward_key, offloads
 from ..validation import incoming_messages, replay, stage_keys
 
 __all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds"]
@@ -54,7 +60,10 @@ class SimResult:
             transfers not counted), plus ``epilogue``: no schedule on any number of ranks is faster.
         schedule: the template that made the plan (from ``plan.simulated``; "" when unknown).
         recomputed: forward-backward stage pairs that recompute, wholly ("recompute") or their first layers
-            ("recompute:k").
+            ("recompute:k"), or op by op ("selective"); "offload" alone is not counted.
+        host_link: per rank, ``(start, end, "D2H <forward key>" | "H2D <backward key>", "D2H" | "H2D")`` of each
+            activation-offload copy on its host link (empty without offload).
+        host_peak: per rank, the most bytes of offloaded activations it holds in host memory at once.
     """
 
     iteration_time: float
@@ -74,6 +83,8 @@ class SimResult:
     critical_path: float = 0.0
     schedule: str = ""
     recomputed: int = 0
+    host_link: list[list[tuple[float, float, str, str]]] = dataclasses.field(default_factory=list)
+    host_peak: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def bound_ratio(self) -> float:
@@ -162,7 +173,9 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                   comm_time: Callable[[Sequence[TensorSpec]], float] | None = None,
                   post_overhead: float | Callable[[Sequence[TensorSpec]], float] = 0.0, epilogue: float = 0.0,
                   rendezvous: float | None = None, transient_bytes: Mapping[str, float] | None = None,
-                  buffer_bytes: Callable[[Sequence[TensorSpec]], float] | None = None) -> SimResult:
+                  buffer_bytes: Callable[[Sequence[TensorSpec]], float] | None = None,
+                  offload_bytes: Mapping[str, float] | None = None,
+                  host_time: Callable[[float], float] | None = None) -> SimResult:
     """Replay ``plan`` with stage latencies (see the module docstring).
 
     Args:
@@ -179,14 +192,18 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
         transient_bytes: stage key -> bytes held while the stage runs (default 0).
         buffer_bytes: message tensors -> bytes of its buffer: a receive's from its posting to the end of the stage
             that consumes it, a send's packed copy from its posting until it has arrived (default: not counted).
+        offload_bytes: forward stage key -> bytes its pair offloads to host memory (the "offload" strategy; its
+            ``activation_bytes`` are then what stays on the device).
+        host_time: bytes -> seconds of one copy over a rank's host link (needed with ``offload_bytes``).
 
     Returns:
         a :class:`SimResult`.
 
     Raises:
         PlanError: the plan deadlocks (each blocked rank's action and awaited messages are named).
-        ValueError: ``post_overhead``, ``epilogue`` or ``rendezvous`` (or a value ``post_overhead`` or ``comm_time``
-            returns) is negative or not finite, naming it (and the action).
+        ValueError: ``post_overhead``, ``epilogue`` or ``rendezvous`` (or a value ``post_overhead``, ``comm_time`` or
+            ``host_time`` returns) is negative or not finite, naming it (and the action); ``offload_bytes`` without
+            ``host_time``.
     """
     for name, v in (("post_overhead", None if callable(post_overhead) else post_overhead), ("epilogue", epilogue),
                     ("rendezvous", rendezvous)):
@@ -213,6 +230,40 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     transient = transient_bytes or {}
     recv_held: dict[tuple[int, str], float] = {}  # (rank, consumer stage) -> receive buffer bytes
     send_held: list[tuple[int, int, float]] = []  # (rank, message, bytes)
+    off = {k: v for k, v in (offload_bytes or {}).items() if v > 0}
+    if off and host_time is None:
+        raise ValueError("offload_bytes needs host_time (seconds of a copy over the host link)")
+    link_free = [0.0] * n
+    link: list[list[tuple[float, float, str, str]]] = [[] for _ in range(n)]
+    host_events: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    out_done: dict[str, float] = {}  # offloaded forward -> when its copy out ends
+    back_done: dict[str, float] = {}  # offloaded forward -> when its copy back ends
+    prefetch: dict[tuple[int, int], str] = {}  # (rank, compute action index) -> forward whose copy back starts there
+    if off:
+        for r, acts in enumerate(plan.ranks):
+            last = None
+            for i, a in enumerate(acts):
+                if a.kind in COMPUTE:
+                    fk = forward_key(keys[r][i])
+                    if a.kind == "B" and fk in off and last is not None:
+                        prefetch[(r, last)] = fk
+                    last = i
+
+    def copy(r: int, fk: str, at: float, kind: str, label: str) -> float:
+        """One copy of ``fk``'s offloaded bytes on rank ``r``'s host link, issued at ``at``; returns its end."""
+        start = max(at, link_free[r])
+        end = start + _check_seconds(f"host_time for {label}", host_time(off[fk]))
+        link_free[r] = end
+        link[r].append((start, end, f"{kind} {label}", kind))
+        if kind == "D2H":
+            host_events[r].append((start, off[fk]))
+        else:
+            host_events[r].append((end, -off[fk]))
+            mem_events[r].append((start, off[fk]))  # back on the device until the backward ends
+        return end
+
+    def copy_back(r: int, fk: str, at: float, label: str) -> None:
+        back_done[fk] = copy(r, fk, max(at, out_done.get(fk, 0.0)), "H2D", label)
 
     def visit(r: int, i: int, a) -> None:
         st = keys[r][i]
@@ -240,6 +291,14 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
                 if rendezvous is not None:
                     sent_at = max(sent_at, posted[m] + rendezvous)
                 ready.append(sent_at + transfer)
+            pf = prefetch.get((r, i))
+            if pf is not None:  # the executor brings the next backward's activations back as this action starts
+                copy_back(r, pf, max([clock[r]] + ready), backward_key(pf))
+            fk = forward_key(st) if off else None
+            if a.kind == "B" and fk in off:
+                if fk not in back_done:  # nothing ran before it on this rank: it fetches them itself
+                    copy_back(r, fk, max([clock[r]] + ready), backward_key(fk))
+                ready.append(back_done[fk])
             start = max([clock[r]] + ready)
             if start > clock[r]:
                 waits[r].append((clock[r], start, f"wait {a}", "WAIT"))
@@ -248,8 +307,14 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
             clock[r] = end
             if a.kind == "F":
                 mem_events[r].append((start, act.get(st, 0.0)))
+                if st in off:  # what it saves stays on the device until its copy out is done
+                    out_done[st] = copy(r, st, end, "D2H", st)
+                    mem_events[r].append((start, off[st]))
+                    mem_events[r].append((out_done[st], -off[st]))
             else:
                 mem_events[r].append((end, -act.get(forward_key(st), 0.0)))
+                if fk in off:
+                    mem_events[r].append((end, -off[fk]))
             tb = transient.get(st, 0.0)
             if tb:
                 mem_events[r].append((start, tb))
@@ -284,10 +349,19 @@ def simulate_plan(plan: Plan, latency: Mapping[str, float], *,
     ep = epilogue if it > 0 else 0.0
     bound = max(busy_time, default=0.0) + ep
     critical = _critical_path(plan, latency) + ep
-    recomputed = sum(1 for acts in plan.ranks for a in acts if a.kind == "F" and a.strategy != "keep")
+    recomputed = sum(1 for acts in plan.ranks for a in acts
+                     if a.kind == "F" and a.strategy not in ("keep", "offload"))
+    host_peak = []
+    for r in range(n):
+        level = top = 0.0
+        for _, d in sorted(host_events[r], key=lambda x: (x[0], x[1] > 0)):
+            level += d
+            top = max(top, level)
+        host_peak.append(top)
     return SimResult(iteration_time=it, busy=busy, bubble_ratio=bubble, rank_bubble=rank_bubble, peak_memory=peaks,
                      memory_timeline=timelines, comm=comm, waits=waits, bound=bound, critical_path=critical,
-                     schedule=str((plan.simulated or {}).get("schedule", "")), recomputed=recomputed)
+                     schedule=str((plan.simulated or {}).get("schedule", "")), recomputed=recomputed,
+                     host_link=link, host_peak=host_peak)
 
 
 def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
@@ -326,12 +400,18 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
     transient = {k: s.transient_bytes for k, s in w.graph.stages.items() if s.transient_bytes}
+    offload = {}
+    for k, s in w.graph.stages.items():  # an offloading pair's host bytes go over the host link
+        if s.kind == "F" and offloads(s.strategy):
+            offload[k] = s.host_bytes
     for k, s in w.graph.stages.items():  # a recomputing backward holds what its forward did not keep, again
-        if s.kind == "B" and s.strategy != "keep":
+        if s.kind == "B" and s.strategy != "keep":  # (less what came back from host memory: the link's)
             f = w.graph.stages[forward_key(k)]
             again = f.rebuild_bytes
             if again is None and f.keep_bytes is not None:
                 again = f.keep_bytes - f.activation_bytes
+            if again is not None:
+                again -= offload.get(forward_key(k), 0.0)
             if again is not None and again > 0:
                 transient[k] = transient.get(k, 0.0) + again
     T = compiled.tp_size
@@ -343,5 +423,6 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
         epilogue = dev.step_overhead + end_of_step_seconds(compiled, dev)
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,
                         post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency,
-                        transient_bytes=transient, buffer_bytes=buffers)
+                        transient_bytes=transient, buffer_bytes=buffers, offload_bytes=offload,
+                        host_time=None if dev is None or dev.host_bandwidth is None else dev.host_time)
     return res

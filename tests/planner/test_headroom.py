@@ -68,19 +68,26 @@ def test_the_default_headroom_is_a_share_of_the_capacity_and_none_under_an_expli
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(limit_share=st.floats(0.1, 1.2), headroom_share=st.floats(0.0, 0.6),
+@given(limit_share=st.floats(0.1, 1.2), headroom_share=st.floats(0.0, 0.6), host_share=st.floats(0.0, 1.0),
        schedule=st.sampled_from(["dip", "1f1b", "gpipe"]))
-def test_plans_under_a_limit_keep_their_peak_plus_headroom_under_it(case, limit_share, headroom_share, schedule):
-    """Whatever the limit and headroom, a plan that is made keeps its simulated peak (static state, live
-    activations, transients and message buffers) plus the headroom under the limit; else planning says why."""
+def test_plans_under_a_limit_keep_their_peak_plus_headroom_under_it(case, limit_share, headroom_share, host_share,
+                                                                    schedule):
+    """Whatever the limit, headroom and host memory, a plan that is made keeps its simulated peak (static state,
+    live activations, transients, message buffers, offloaded activations until their copy out ends and after
+    their copy back starts) plus the headroom under the limit, and its offloaded activations within each rank's
+    host memory; else planning says why."""
     c, b, static, act = case
     limit = max(static) + limit_share * act
     headroom = headroom_share * act
     c.memory_headroom = headroom
+    host = c.device.host_memory
+    c.device.host_memory = max(host_share * act, 1.0)
     try:
         res, plan = dipc.simulate(c, b, 6, memory_limit=limit, schedule=schedule)
     except PlanError:
         return
     finally:
         c.memory_headroom = None
+        c.device.host_memory = host
     assert max(res.peak_memory) + headroom <= limit * (1 + 1e-9), (max(res.peak_memory), headroom, limit)
+    assert max(res.host_peak) <= max(host_share * act, 1.0) * (1 + 1e-9), (res.host_peak, host_share * act)
