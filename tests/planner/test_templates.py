@@ -215,9 +215,10 @@ def test_the_plan_and_the_simulator_count_the_same_optimizer_states():
             free, _ = dipc.simulate(c, b, 4, schedule=name, memory_limit=1e15, optimizer_states=k)
             need = max(p - s for p, s in zip(free.peak_memory, static))
             limit = max(static) + 0.6 * need  # memory binds: the plan must count the same static bytes
-            res, _ = dipc.simulate(c, b, 4, schedule=name, memory_limit=limit, optimizer_states=k)
+            res, plan = dipc.simulate(c, b, 4, schedule=name, memory_limit=limit, optimizer_states=k)
             assert max(res.peak_memory) <= limit * (1 + 1e-9), (k, name)
-            assert res.recomputed > 0 or name == "dip", (k, name)
+            # memory binds: some pair recomputes or offloads
+            assert any(a.strategy != "keep" for _, a in plan.compute_actions()) or name == "dip", (k, name)
 
 
 def test_one_segment_partition_mixes_modalities_and_stays_exact():
