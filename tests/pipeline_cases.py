@@ -159,3 +159,36 @@ def albert_like_batches(samples: int = 4):
         out.append({"input_ids": ids, "labels": torch.randint(0, 64, (samples, seq), generator=g),
                     "attention_mask": mask})
     return out
+
+
+def run_with_strategies(model, c, batch, n_microbatches, strategy):
+    """One step of compiled ``c`` on ``batch`` in this process (``dipc.runtime.run_local``) with each forward-backward
+    pair at ``strategy(action, layers)`` (``layers``: the fewest layers its chunk runs over the step's captures),
+    checked against the unsplit model: loss and every gradient (fp32 rtol 1e-5, atol 1e-6).  Returns ``(workload,
+    measured)``: the step's workload and what each forward really kept (``run_local(measure=)``)."""
+    import dataclasses
+
+    import dipc
+    from dipc.runtime import run_local
+
+    _, plan = dipc.simulate(c, batch, n_microbatches)
+    layers = {}  # per chunk, the fewest layers over the captures its microbatches run
+    for prog in c.programs:
+        for k, cm in prog.chunks.items():
+            layers[k] = min(layers.get(k, cm.n_layers), cm.n_layers)
+    plan.ranks = [[dataclasses.replace(a, strategy=strategy(a, layers[a.chunk])) if a.kind in ("F", "B") else a
+                   for a in acts] for acts in plan.ranks]
+    model.zero_grad(set_to_none=True)
+    ref = model(**c.batch_spec.eager_view(batch))
+    ref = ref if isinstance(ref, torch.Tensor) else ref.loss
+    ref.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    measured = {}
+    loss, _ = run_local(c, batch, n_microbatches, plan, measure=measured)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for k, p in model.named_parameters():
+        if k in want:
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
+    model.zero_grad(set_to_none=True)
+    return measured.pop("workload"), measured

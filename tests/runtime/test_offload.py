@@ -26,32 +26,15 @@ def _reference_grads(model, batch):
     return ref.detach(), want
 
 
-def _check_offload(model, c, batch, n_microbatches=2, turn=0, spec=None, combined=True):
+def _check_offload(model, c, batch, n_microbatches=2, turn=0, combined=True):
     """Every pair at an offloading strategy (whole chunk, and with ``combined`` first layer recomputed or all but
     the last recomputed), rotated by ``turn``; loss, gradients and the measured bytes against the model's."""
-    _, plan = dipc.simulate(c, batch, n_microbatches)
-    layers = {}
-    for prog in c.programs:
-        for k, cm in prog.chunks.items():
-            layers[k] = min(layers.get(k, cm.n_layers), cm.n_layers)
-
-    def strategy(a):
-        n = layers[a.chunk]
+    def strategy(a, n):
         choices = ["offload"] + (["recompute:1+offload"] if n >= 2 and combined else []) \
             + ([f"recompute:{n - 1}+offload"] if n >= 3 and combined else [])
         return choices[(a.chunk + a.mb + turn) % len(choices)]
 
-    plan.ranks = [[dataclasses.replace(a, strategy=strategy(a)) if a.kind in ("F", "B") else a for a in acts]
-                  for acts in plan.ranks]
-    ref, want = _reference_grads(model, spec.eager_view(batch) if spec is not None else batch)
-    measured = {}
-    loss, _ = run_local(c, batch, n_microbatches, plan, measure=measured)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
-    for k, p in model.named_parameters():
-        if k in want:
-            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    model.zero_grad(set_to_none=True)
-    w = measured.pop("workload")
+    w, measured = pc.run_with_strategies(model, c, batch, n_microbatches, strategy)
     seen = set()
     for fk, (how, device_bytes, host_bytes) in sorted(measured.items()):
         opts = {o[0]: o for o in memory_options(w, fk)}
@@ -153,4 +136,4 @@ def test_offload_on_hugging_face_llava():
     model = pc.llava()
     batches = pc.llava_batches_mixed()
     c = dipc.compile(model, batches[0], 2, check=False, device="h800")
-    assert _check_offload(model, c, batches[2], spec=c.batch_spec, combined=False) == {"offload"}
+    assert _check_offload(model, c, batches[2], combined=False) == {"offload"}

@@ -16,33 +16,11 @@ from dipc.runtime import run_local
 
 
 def _check(model, c, batch, n_microbatches=2, turn=0):
-    _, plan = dipc.simulate(c, batch, n_microbatches)
-    layers = {}  # per chunk, the fewest layers over the captures its microbatches run
-    for prog in c.programs:
-        for k, cm in prog.chunks.items():
-            layers[k] = min(layers.get(k, cm.n_layers), cm.n_layers)
-
-    def strategy(a):  # every strategy side by side, on every chunk
-        n = layers[a.chunk]
+    def strategy(a, n):  # every strategy side by side, on every chunk
         return ["selective", "keep", "recompute:1", f"recompute:{n}", f"recompute:{n}/{n}",
                 f"recompute:{n}/{min(2, n)}"][(a.chunk + 3 * a.mb + turn) % 6]
 
-    plan.ranks = [[dataclasses.replace(a, strategy=strategy(a)) if a.kind in ("F", "B") else a for a in acts]
-                  for acts in plan.ranks]
-    model.zero_grad(set_to_none=True)
-    ref = model(**c.batch_spec.eager_view(batch))
-    ref = ref if isinstance(ref, torch.Tensor) else ref.loss
-    ref.backward()
-    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    measured = {}
-    loss, _ = run_local(c, batch, n_microbatches, plan, measure=measured)
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for k, p in model.named_parameters():
-        if k in want:
-            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-    model.zero_grad(set_to_none=True)
-    w = measured.pop("workload")
+    w, measured = pc.run_with_strategies(model, c, batch, n_microbatches, strategy)
     seen = set()
     for fk, (how, got) in sorted(measured.items()):
         opts = {o[0]: o for o in memory_options(w, fk)}
