@@ -45,7 +45,7 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
 
     ``budget_s``: seconds of DIP's MCTS segment reordering (§2.3) on top of the interleaver (0: the interleaver
     alone), deterministic under ``seed`` when the budget does not cut it; ``memory_opt``: "ilp" (DIP's per-rank
-    memory ILP over keep / per-layer / full recompute, §2.5) or "greedy" (whole chunks); ``search_workers``:
+    memory ILP over keep / op-selective / per-layer / full recompute / activation offload, §2.5) or "greedy" (whole chunks); ``search_workers``:
     processes scoring the search's rollouts in parallel (capped at half the host's cores).  See
     :func:`dipc.planner.make_plan`.
 

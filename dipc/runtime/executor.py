@@ -527,4 +527,4 @@ def run_local(compiled, batch: Mapping[str, torch.Tensor], n_microbatches: int, 
     zero_unreached_grads(compiled, w, set(range(compiled.pp_size)))
     loss = sum((mb.weight * l for e in ex for m, l in e.losses.items() for mb in [mbs[m]] if mb.weight),
                torch.zeros(()))
-    return loss, plan
+    return loss.detach(), plan

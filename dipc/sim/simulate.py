@@ -30,6 +30,7 @@ This module uses only the plan IR and reads the compiled pipeline and the step's
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Callable, Mapping, Sequence
@@ -116,7 +117,8 @@ class SimResult:
     def report(self, plan: Plan | None = None) -> str:
         """A readable summary (DIP's plan report): iteration time against the bubble-free bound and the critical
         path, the bubble ratio and its causes per rank, peak memory per rank (GB), recomputed pairs, and - given
-        the ``plan`` - the template and the search's progress (rollouts, best time over the search)."""
+        the ``plan`` - its pairs by memory strategy, the template and the search's progress (rollouts, best time
+        over the search); with offload, the copies on the host links and each rank's host-memory peak."""
         lines = [f"schedule {self.schedule or '?'}: iteration {self.iteration_time:.4g} s, bound {self.bound:.4g} s "
                  f"(x{self.bound_ratio:.3f}), critical path {self.critical_path:.4g} s, bubble ratio "
                  f"{self.bubble_ratio:.1%}, recomputed pairs {self.recomputed}"]
@@ -125,6 +127,14 @@ class SimResult:
             lines.append(f"{r:<5} {c['busy']:<9.4g} {c['fill']:<9.4g} {c['waits']:<9.4g} {c['drain']:<9.4g} "
                          f"{c['posting']:<10.4g} {self.peak_memory[r] / 1e9:.4g}")
         sim = (plan.simulated or {}) if plan is not None else {}
+        if plan is not None:
+            used = collections.Counter(a.strategy for _, a in plan.compute_actions() if a.kind == "F")
+            if set(used) - {"keep"}:
+                lines.append("pairs by memory strategy: " + ", ".join(f"{k} {v}" for k, v in sorted(used.items())))
+        if any(self.host_peak):
+            copies = sum(len(s) for s in self.host_link)
+            lines.append(f"offload: {copies} copies on the host links, host memory peak per rank (GB) "
+                         + ", ".join(f"{b / 1e9:.4g}" for b in self.host_peak))
         if sim.get("recomputed_partly"):
             lines.append(f"pairs recomputing part of their chunk (per-layer): {sim['recomputed_partly']}")
         if sim.get("plans_tried", 1) > 1:
