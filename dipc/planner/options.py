@@ -98,8 +98,9 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), extra, min(rebuild, keep)))
         if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
             out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), extra, min(done_a, keep)))
-        if bw and kept_after > 0 and inputs < keep:  # and what the layers after them save offloaded, with the
-            host = kept_after + max(held - inputs, 0.0)  # checkpoints' inputs (saved for them outside them)
+        if bw and k < len(blocks) and kept_after > 1e-9 * keep and inputs < keep:  # and what the layers after
+            # them save offloaded, with the checkpoints' inputs (saved for them outside them)
+            host = kept_after + max(held - inputs, 0.0)
             out.append((f"recompute:{k}{OFFLOAD_SUFFIX}", inputs, extra + exposed(host), min(rebuild, keep) + host,
                         host))
     n = len(blocks)

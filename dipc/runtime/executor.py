@@ -91,7 +91,7 @@ class Executor:
         for a in plan.ranks[rank] if not plan.forward_only else ():
             if a.kind not in ("F", "B"):
                 continue
-            if a.kind == "B" and a.strategy == "offload" and last is not None:
+            if a.kind == "B" and offloads(a.strategy) and last is not None:
                 self.prefetch_at[id(last)] = stage_key("F", a.chunk, a.mb, a.sub)
             last = a
         self.measure: dict | None = None  # run_local(measure=): F key -> (strategy, bytes kept, measured)

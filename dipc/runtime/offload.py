@@ -26,16 +26,18 @@ class HostActivations:
     """What one forward saves for its backward, held in host memory between them.
 
     ``keep``: tensors whose storages stay where they are (the chunk's parameters and buffers, its inputs).  Every
-    other saved tensor is copied to host memory once (a tensor autograd saves twice, the same view of the same
-    storage, has one copy).  :attr:`host_bytes` counts the copies' bytes; :attr:`host_storages` their storages (for
-    measurement).
+    other saved tensor's *storage* is copied to host memory once, and the tensor is rebuilt on the fetched storage
+    with its own offset, size and strides: views keep their layout (a checkpoint's recompute sees the strides its
+    forward saw), an expanded view costs its base only, and several views of one storage share one copy - what
+    "keep" would hold on the device, byte for byte.  :attr:`host_bytes` counts the copies' bytes;
+    :attr:`host_storages` their storages (for measurement).
     """
 
     def __init__(self, keep: Iterable[torch.Tensor] = ()):
         self._keep = {t.untyped_storage()._cdata for t in keep if isinstance(t, torch.Tensor) and
                       t.device.type != "meta"}
-        self._entries: list[list[Any]] = []  # [host copy | None, device tensor | None, device, event | None]
-        self._seen: dict[tuple, tuple[StorageWeakRef, int]] = {}
+        self._entries: list[list[Any]] = []  # per storage: [host bytes | None, device bytes | None, device, event]
+        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}  # device storage -> (its weak ref, entry)
         self._stream = None
         self.host_bytes = 0
         self.host_storages: set[int] = set()
@@ -52,43 +54,55 @@ class HostActivations:
         s = t.untyped_storage()
         if s._cdata in self._keep:
             return t
-        key = (s._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        hit = self._seen.get(key)
+        hit = self._seen.get(s._cdata)
         if hit is not None and not hit[0].expired():
-            return hit[1]
-        cuda = t.device.type == "cuda"
-        host = torch.empty_like(t, device="cpu", pin_memory=cuda)
-        event = None
-        if cuda:
-            side = self._side_stream(t.device)
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
-                host.copy_(t, non_blocking=True)
-            t.record_stream(side)  # the allocator does not reuse t's memory before the copy is done
-            event = torch.cuda.Event()
-            event.record(side)
+            i = hit[1]
         else:
-            host.copy_(t)
+            i = self._copy_out(t, s)
+        return i, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+    def _copy_out(self, t: torch.Tensor, s) -> int:
+        """A host copy of ``t``'s whole storage ``s``; returns its entry."""
+        cuda = t.device.type == "cuda"
+        with torch.no_grad():
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s, 0, (s.nbytes(),), (1,))
+            host = torch.empty(s.nbytes(), dtype=torch.uint8, device="cpu", pin_memory=cuda)
+            event = None
+            if cuda:
+                side = self._side_stream(t.device)
+                side.wait_stream(torch.cuda.current_stream(t.device))
+                with torch.cuda.stream(side):
+                    host.copy_(raw, non_blocking=True)
+                raw.record_stream(side)  # the allocator does not reuse the storage before the copy is done
+                event = torch.cuda.Event()
+                event.record(side)
+            else:
+                host.copy_(raw)
         self._entries.append([host, None, t.device, event])
         self.host_bytes += host.untyped_storage().nbytes()
         self.host_storages.add(host.untyped_storage()._cdata)
-        self._seen[key] = (StorageWeakRef(s), len(self._entries) - 1)
+        self._seen[s._cdata] = (StorageWeakRef(s), len(self._entries) - 1)
         return len(self._entries) - 1
 
     def _unpack(self, x):
         if isinstance(x, torch.Tensor):
             return x
-        e = self._entries[x]
+        i, dtype, offset, shape, stride = x
+        e = self._entries[i]
         if e[1] is None:
             self._fetch(e)
         if e[3] is not None:  # the copy back ran on the side stream
-            torch.cuda.current_stream(e[2]).wait_event(e[3])
-        return e[1]
+            current = torch.cuda.current_stream(e[2])
+            current.wait_event(e[3])
+            e[1].record_stream(current)  # its memory is not reused before the backward's kernels are done
+        with torch.no_grad():
+            return torch.empty(0, dtype=dtype, device=e[2]).set_(e[1].untyped_storage(), offset, shape, stride)
 
     def _fetch(self, e) -> None:
         host, _, device, event = e
         if device.type == "cuda":
             side = self._side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # after what the compute stream did with memory
             with torch.cuda.stream(side):
                 if event is not None:
                     side.wait_event(event)  # its copy out is done
@@ -97,14 +111,14 @@ class HostActivations:
             e[3].record(side)
         else:
             e[1] = host.clone()
-        e[0] = None  # the host copy goes once the tensor is back
+        e[0] = None  # the host copy goes once the storage is back
 
     def saving(self):
         """The context a forward runs in so that what it saves comes here."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def prefetch(self) -> None:
-        """Bring every saved tensor back to its device (on CUDA asynchronously on the side stream; the backward's
+        """Bring every saved storage back to its device (on CUDA asynchronously on the side stream; the backward's
         unpack waits for it)."""
         for e in self._entries:
             if e[1] is None:
