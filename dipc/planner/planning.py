@@ -371,8 +371,9 @@ class _StepPlanner:
                 errors.append(PlanError(
                     f"rank {r} has no memory left for activations: its budget of {budgets[r]:.4g} bytes (the memory "
                     f"limit less its static state{self.headroom_note}) is under the {reserve[r]:.4g} bytes its "
-                    "largest stage's transient, "
-                    "the activations a recomputing backward rebuilds and its message buffers need"))
+                    "largest stage's transient, the activations a recomputing backward rebuilds and its message "
+                    f"buffers need: raise the memory limit by at least {reserve[r] - budgets[r]:.4g} bytes, or use "
+                    "more ranks or smaller microbatches"))
                 continue
             take(graph, self.pristine)
             for k in options:
