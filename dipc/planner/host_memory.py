@@ -1,8 +1,11 @@
-"""Host memory for offloaded activations in the per-rank memory ILP (DESIGN.md "Memory"; issue "Memory
-strategies" §2): a rank's offloaded bytes, counted from each pair's forward to its backward in the rank's order,
-stay within the host memory its GPU may fill (``Stage.host_limit``).  The ILP of :mod:`dipc.planner.memory` has one
-resource, device memory; host memory enters it as a price per host byte on the offloading candidates (a Lagrange
-multiplier), searched until the choice fits.  Pure: no process group.
+"""Host memory and the host link for offloaded activations in the per-rank memory ILP (DESIGN.md "Memory"; issue
+"Memory strategies" §2): a rank's offloaded bytes, counted from each pair's forward to its backward in the rank's
+order, stay within the host memory its GPU may fill (``Stage.host_limit``), and its copies' seconds on the host link
+(an offloading option's sixth figure) within the rank's compute seconds, which they must hide behind (each pair's
+own cost assumes its copies overlap compute: without this bound the choice could offload more than the link
+carries).  The ILP of :mod:`dipc.planner.memory` has one resource, device memory; the two bounds enter it as a price
+per host byte on the offloading candidates (a Lagrange multiplier), searched until the choice fits.  Pure: no
+process group.
 """
 from __future__ import annotations
 
@@ -24,6 +27,11 @@ def _host_peak(ks, at_pair, tabs, js_all) -> float:
     return top
 
 
+def _link_seconds(tabs, js_all) -> float:
+    """Seconds of host-link copies (out and back) of the chosen candidates."""
+    return sum(o[5] for t, j in zip(tabs, js_all) for o in (t.opts[j],) if len(o) > 5)
+
+
 def _priced(fwd, tabs, lam: float, table):
     """The pairs' candidates with every offloading option's extra seconds raised by ``lam`` per host byte, as the
     solver sees them: pruned again from each forward's options at those figures (an option the offloading one
@@ -40,10 +48,10 @@ def _priced(fwd, tabs, lam: float, table):
     return out
 
 
-def within_host(ks, at_pair, fwd, tabs, js_all, host_M: float, choose, table):
-    """Keep a rank's offloaded bytes within its host memory ``host_M`` (DESIGN.md "Memory"): when the chosen
-    candidates hold more at some point of its order (:func:`_host_peak`), the offloading candidates are priced per
-    host byte (a Lagrange multiplier on the host-memory constraint: raised until the choice fits, then bisected
+def within_host(ks, at_pair, fwd, tabs, js_all, host_M: float, busy_s: float, choose, table):
+    """Keep a rank's offloaded bytes within its host memory ``host_M`` and its copies' link seconds within its
+    compute seconds ``busy_s`` (module docstring): when the chosen candidates hold more at some point of its order
+    (:func:`_host_peak`) or copy longer, the offloading candidates are priced per host byte (a Lagrange multiplier on the host-memory constraint: raised until the choice fits, then bisected
     five times towards the cheapest price that fits) and the rank solved again (``choose(tabs)``: each pair's
     index into its candidates, or None; ``table(options)``: the candidates of an options tuple).  Returns each
     pair's chosen option at its own figures (a list; None: the solver found none).  ``ks``: the rank's order;
@@ -56,7 +64,11 @@ def within_host(ks, at_pair, fwd, tabs, js_all, host_M: float, choose, table):
             out.append(next((o for o in (tuple(st.options) or p.opts) if o[0] == name), p.opts[j]))
         return out
 
-    if _host_peak(ks, at_pair, tabs, js_all) <= host_M * (1 + 1e-9):
+    def fits(tabs, js) -> bool:
+        return (_host_peak(ks, at_pair, tabs, js) <= host_M * (1 + 1e-9)
+                and _link_seconds(tabs, js) <= busy_s * (1 + 1e-9))
+
+    if fits(tabs, js_all):
         return [t.opts[j] for t, j in zip(tabs, js_all)]
     top_extra = max((o[2] for st in fwd for o in st.options), default=0.0)
     top_host = max((o[4] for st in fwd for o in st.options if len(o) > 4), default=0.0)
@@ -64,7 +76,7 @@ def within_host(ks, at_pair, fwd, tabs, js_all, host_M: float, choose, table):
     for _ in range(40):  # find a price that fits
         priced = _priced(fwd, tabs, hi, table)
         got = choose(priced)
-        if got is not None and _host_peak(ks, at_pair, priced, got) <= host_M * (1 + 1e-9):
+        if got is not None and fits(priced, got):
             best = (priced, got)
             break
         lo, hi = hi, hi * 4
@@ -74,7 +86,7 @@ def within_host(ks, at_pair, fwd, tabs, js_all, host_M: float, choose, table):
         mid = (lo + hi) / 2
         priced = _priced(fwd, tabs, mid, table)
         got = choose(priced)
-        if got is not None and _host_peak(ks, at_pair, priced, got) <= host_M * (1 + 1e-9):
+        if got is not None and fits(priced, got):
             best, hi = (priced, got), mid
         else:
             lo = mid

@@ -292,7 +292,8 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
         chosen = None if js_all is None else [t.opts[j] for t, j in zip(tabs, js_all)]
         host_M = fwd[0].host_limit
         if chosen is not None and host_M is not None:
-            chosen = within_host(ks, at_pair, fwd, tabs, js_all, host_M, choose,
+            busy_s = sum(f.latency + b.latency - f.recompute_extra for f, b in zip(fwd, bwd))
+            chosen = within_host(ks, at_pair, fwd, tabs, js_all, host_M, busy_s, choose,
                                  lambda opts: _table(opts, S, not uniform))
         stats["pairs"] += len(pairs)
         if chosen is None:

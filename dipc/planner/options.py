@@ -56,7 +56,9 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     charged too; the copy out overlaps what follows the
     forward, and the simulator times both on the rank's link), and with it "recompute:k+offload" for k < layers
     (the first k layers as "recompute:k", what the layers after them save offloaded, and the checkpoints' own
-    inputs, which torch saves for them outside them: the device keeps the chunk's inputs).  An offloading option has a fifth figure: the bytes per GPU it holds in host memory.  Per-layer seconds and bytes come from the compiled per-layer costs on
+    inputs, which torch saves for them outside them: the device keeps the chunk's inputs).  An offloading option
+    has a fifth and a sixth figure: the bytes per GPU it holds in host memory, and the seconds its two copies take
+    on the host link.  Per-layer seconds and bytes come from the compiled per-layer costs on
     the device profile (:meth:`dipc.program.Program.block_costs`); without a profile the chunk's estimate is split
     evenly over its layers, each reading as much as the chunk's inputs.  The forward must still be at "keep"."""
     st = w.graph.stages[fk]
@@ -102,7 +104,7 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
             # them save offloaded, with the checkpoints' inputs (saved for them outside them)
             host = kept_after + max(held - inputs, 0.0)
             out.append((f"recompute:{k}{OFFLOAD_SUFFIX}", inputs, extra + exposed(host), min(rebuild, keep) + host,
-                        host))
+                        host, 2.0 * host / bw))
     n = len(blocks)
     g = 2
     while g < n:  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
@@ -113,7 +115,8 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     if inputs < keep:
         out.append(("recompute", inputs, f_lat, keep - inputs))
         if bw:
-            out.append(("offload", inputs, exposed(keep - inputs), keep - inputs, keep - inputs))
+            out.append(("offload", inputs, exposed(keep - inputs), keep - inputs, keep - inputs,
+                        2.0 * (keep - inputs) / bw))
     cost = prog.stage_cost(st.chunk, w.bindings[fk])
     if cost is not None and "selective_keep_bytes" in cost:
         kept = inputs + cost["selective_keep_bytes"]
