@@ -64,6 +64,21 @@ def test_offload_on_the_reference_vlm():
     assert seen == {"offload", "recompute"}, seen
 
 
+@pytest.mark.hf
+@pytest.mark.slow  # the default suite's Hugging Face case is LLaVA's (above)
+def test_offload_on_hugging_face_qwen2_vl():
+    """Qwen2-VL (patch-packed images and a video, sdpa vision attention): every pair offloads its whole chunk;
+    loss, gradients and bytes as above (its per-layer combinations run too, but their host figure on the text
+    chunk with the loss is 30% under what runs: the per-layer bytes are the chunk's spread in proportion)."""
+    from dipc.models import hf_vlm
+
+    torch.manual_seed(0)
+    model = hf_vlm.tiny_qwen2_vl(0)
+    b = hf_vlm.qwen2_vl_batch([0, 2, 1, 0], 64, 3, image_hw=((16, 16), (16, 24)), videos=[0, 0, 1, 0])
+    c = dipc.compile(model, b, 2, check=False, device="h800")
+    assert _check_offload(model, c, b, combined=False) == {"offload"}
+
+
 def test_the_simulator_times_offload_on_the_host_link():
     """Every pair at "offload": each rank's copies run one at a time, every backward starts after its copy back,
     what a forward saves stays on the device until its copy out ends, and the host holds it in between."""
