@@ -22,6 +22,48 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+UNLIMITED, REC, SEL, ALL = "unlimited memory", "recompute only", "+ selective", "+ offload (every strategy)"
+LABELS = (UNLIMITED, REC, SEL, ALL)
+
+
+def ablation(compiled, batch, n_microbatches: int, schedule: str = "dip"):
+    """Plan and simulate one step of ``batch`` with the memory strategies offered growing (:data:`LABELS`: no limit;
+    whole- and per-layer recompute only; + "selective"; + "offload", every strategy), each under the profile's
+    capacity less the default headroom except the first.  Yields ``(label, SimResult, plan)``, or ``(label,
+    PlanError, None)`` where no plan fits."""
+    import dipc
+    import dipc.planner.options as options
+    import dipc.planner.planning as planning
+    from dipc.plan import offloads
+
+    own = options.memory_options
+
+    def offering(selective: bool):
+        def opts(w, fk):
+            return [o for o in own(w, fk) if not offloads(o[0]) and (selective or o[0] != "selective")]
+        return opts
+
+    for label, opts, limit in ((UNLIMITED, own, 1e15), (REC, offering(False), None), (SEL, offering(True), None),
+                               (ALL, own, None)):
+        options.memory_options = planning.memory_options = opts
+        try:
+            res, plan = dipc.simulate(compiled, batch, n_microbatches, schedule=schedule, memory_limit=limit)
+        except dipc.PlanError as e:
+            yield label, e, None
+            continue
+        finally:
+            options.memory_options = planning.memory_options = own
+        yield label, res, plan
+
+
+def pairs_by_strategy(plan) -> dict:
+    """Forward-backward pairs per strategy kind ("recompute:k" and "recompute:k+offload" counted as kinds)."""
+    used = collections.Counter(a.strategy.split(":")[0] + (":k" if ":" in a.strategy else "")
+                               + ("+offload" if a.strategy.endswith("+offload") else "")
+                               for _, a in plan.compute_actions() if a.kind == "F")
+    return dict(sorted(used.items()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="VLM-S,VLM-M,VLM-L")
@@ -32,22 +74,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import paper
 
-    import dipc
-    import dipc.planner.options as options
-    import dipc.planner.planning as planning
-
-    own = options.memory_options
-
-    from dipc.plan import offloads
-
-    def offering(selective: bool):
-        def opts(w, fk):
-            return [o for o in own(w, fk) if not offloads(o[0]) and (selective or o[0] != "selective")]
-        return opts
-
-    REC, SEL, ALL = "recompute only", "+ selective", "+ offload (every strategy)"
-    configs = (("unlimited memory", own, 1e15), (REC, offering(False), None), (SEL, offering(True), None),
-               (ALL, own, None))
     lines = ["# Memory strategies at the paper's scale", "",
              f"`python bench/memory_strategies.py --microbatches {args.microbatches}` (simulated)", "",
              f"{args.microbatches} microbatches (seed {args.seed}) per model, H800 profile (host link 64 GB/s per "
@@ -62,39 +88,31 @@ def main(argv=None) -> int:
         batch = batch_fn(args.microbatches, args.seed)
         for schedule in args.schedules.split(","):
             times, peak_unlimited, whole, pairs = {}, 0.0, 0, 0
-            for label, opts, limit in configs:
-                options.memory_options = planning.memory_options = opts
-                try:
-                    res, plan = dipc.simulate(compiled, batch, args.microbatches, schedule=schedule,
-                                              memory_limit=limit)
-                except dipc.PlanError as e:
-                    lines.append(f"| {model} | {schedule} | {label} | no plan: {str(e)[:80]} | | | | | |")
+            for label, res, plan in ablation(compiled, batch, args.microbatches, schedule):
+                if plan is None:
+                    lines.append(f"| {model} | {schedule} | {label} | no plan: {str(res)[:80]} | | | | | |")
                     continue
-                finally:
-                    options.memory_options = planning.memory_options = own
                 times[label] = t = res.iteration_time
-                if label.startswith("unlimited"):
+                if label == UNLIMITED:
                     peak_unlimited = max(res.peak_memory)
                 whole = sum(1 for _, a in plan.compute_actions() if a.kind == "F" and a.strategy.startswith("recompute"))
                 pairs = sum(1 for _, a in plan.compute_actions() if a.kind == "F")
-                used = collections.Counter(a.strategy.split(":")[0] + (":k" if ":" in a.strategy else "")
-                                           + ("+offload" if a.strategy.endswith("+offload") else "")
-                                           for _, a in plan.compute_actions() if a.kind == "F")
+                used = pairs_by_strategy(plan)
                 vs_rec = times.get(REC)
-                vs_unl = times.get("unlimited memory")
+                vs_unl = times.get(UNLIMITED)
                 lines.append(f"| {model} | {schedule} | {label} | {t:.2f} | "
-                             f"{'' if vs_rec is None or label in (REC, 'unlimited memory') else f'{vs_rec / t:.3f}x faster'} | "
-                             f"{'' if vs_unl is None or label.startswith('unlimited') else f'{t / vs_unl:.2f}x'} | "
+                             f"{'' if vs_rec is None or label in (REC, UNLIMITED) else f'{vs_rec / t:.3f}x faster'} | "
+                             f"{'' if vs_unl is None or label == UNLIMITED else f'{t / vs_unl:.2f}x'} | "
                              f"{max(res.peak_memory) / 1e9:.1f} | {max(res.host_peak, default=0.0) / 1e9:.1f} | "
-                             f"{dict(sorted(used.items()))} |")
+                             f"{used} |")
                 print(lines[-1], flush=True)
-            if schedule == "dip" and len(times) == len(configs):
+            if schedule == "dip" and len(times) == len(LABELS):
                 notes.append((model, times, peak_unlimited, compiled.device.memory_capacity, whole, pairs,
                                _activation_rate(compiled, batch, args.microbatches)))
     lines += ["", "Targets (DIP under 80 GB): at least 1.15x faster with every strategy than with recompute only, and "
               "within 1.2x of the unlimited-memory bound."]
     for model, times, peak, cap, whole, pairs, rate in notes:
-        t_all, t_rec, t_unl = times[ALL], times[REC], times["unlimited memory"]
+        t_all, t_rec, t_unl = times[ALL], times[REC], times[UNLIMITED]
         met = t_all / t_unl <= 1.2
         lines.append(f"- {model}: {t_rec / t_all:.3f}x vs recompute only (target 1.15x: "
                      f"{'met' if t_rec / t_all >= 1.15 else f'missed by {1.15 / (t_rec / t_all):.2f}x'}; "
