@@ -29,7 +29,7 @@ class HostActivations:
     other saved tensor's *storage* is copied to host memory once, and the tensor is rebuilt on the fetched storage
     with its own offset, size and strides: views keep their layout (a checkpoint's recompute sees the strides its
     forward saw), an expanded view costs its base only, and several views of one storage share one copy - what
-    "keep" would hold on the device, byte for byte.  :attr:`host_bytes` counts the copies' bytes;
+    "keep" would hold on the device, byte for byte (a storage written after its copy is copied again).  :attr:`host_bytes` counts the copies' bytes;
     :attr:`host_storages` their storages (for measurement).
     """
 
@@ -37,7 +37,8 @@ class HostActivations:
         self._keep = {t.untyped_storage()._cdata for t in keep if isinstance(t, torch.Tensor) and
                       t.device.type != "meta"}
         self._entries: list[list[Any]] = []  # per storage: [host bytes | None, device bytes | None, device, event]
-        self._seen: dict[int, tuple[StorageWeakRef, int]] = {}  # device storage -> (its weak ref, entry)
+        # device storage -> (its weak ref, entry, the version of its data when copied)
+        self._seen: dict[int, tuple[StorageWeakRef, int, int]] = {}
         self._stream = None
         self.host_bytes = 0
         self.host_storages: set[int] = set()
@@ -55,9 +56,9 @@ class HostActivations:
         if s._cdata in self._keep:
             return t
         hit = self._seen.get(s._cdata)
-        if hit is not None and not hit[0].expired():
+        if hit is not None and not hit[0].expired() and hit[2] == t._version:
             i = hit[1]
-        else:
+        else:  # a new storage, or one written since its copy (views share their base's version counter)
             i = self._copy_out(t, s)
         return i, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
@@ -81,7 +82,7 @@ class HostActivations:
         self._entries.append([host, None, t.device, event])
         self.host_bytes += host.untyped_storage().nbytes()
         self.host_storages.add(host.untyped_storage()._cdata)
-        self._seen[s._cdata] = (StorageWeakRef(s), len(self._entries) - 1)
+        self._seen[s._cdata] = (StorageWeakRef(s), len(self._entries) - 1, t._version)
         return len(self._entries) - 1
 
     def _unpack(self, x):

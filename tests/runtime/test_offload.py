@@ -203,3 +203,25 @@ def test_offload_copies_each_storage_once_and_keeps_views_as_they_were():
         o = {x[0]: x for x in memory_options(w, fk)}[how]
         bound = 0.10 if how == "offload" else 0.25
         assert abs(host_bytes - o[4]) <= bound * o[4], (fk, how, host_bytes, o[4])
+
+
+def test_a_storage_written_after_its_copy_is_copied_again():
+    """Two views of one buffer saved with a write between them (autograd alone refuses this: the buffer's version
+    moved): each backward reads the data its forward saw, the second save not reusing the first snapshot.
+    ``y = sum(a * x) + sum(b * x)`` with ``a = 2x`` and ``b = 3x`` written into the buffer: ``dy/dx = 10 x``."""
+    from dipc.runtime.offload import HostActivations
+
+    x = torch.arange(1.0, 5.0, requires_grad=True)
+    buf = torch.zeros(8)
+    acts = HostActivations([x])
+    with acts.saving():
+        a = buf[:4]
+        a.copy_(x * 2)
+        y1 = (a * x).sum()
+        b = buf[4:]
+        b.copy_(x * 3)
+        y2 = (b * x).sum()
+    acts.prefetch()
+    (y1 + y2).backward()
+    torch.testing.assert_close(x.grad, 10 * x.detach())
+    assert len(acts._entries) == 2
