@@ -54,7 +54,7 @@ def test_selective_recompute_on_the_reference_vlm():
 
 
 @pytest.mark.hf
-@pytest.mark.slow  # the default suite's Hugging Face case is Qwen2-VL's, under autocast (below)
+@pytest.mark.slow
 def test_selective_recompute_on_hugging_face_llava():
     torch.manual_seed(0)
     seen = _every_strategy(pc.llava(), pc.llava_batches_mixed(), 2)
@@ -87,6 +87,7 @@ def test_the_planner_chooses_selective_recompute_under_a_memory_limit():
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # 23 s: the default suite keeps selective on the reference VLM and under the planner
 def test_selective_recompute_of_qwen2_vl_under_bf16_autocast():
     """Qwen2-VL's vision attention under autocast: q and k leave the fp32 rotary, v its bf16 projection; inside
     the selective checkpoint's (and the byte measurement's) dispatch mode autocast is off within dipc's packed
