@@ -271,14 +271,14 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                 return js_all
             t_solve = time.perf_counter()
             if uniform:
-                js, status, bound, n_var = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
-                                                          [var_l[i] for i in active], n_var_u, ra[active],
-                                                          rb[active], n_rows, M, gap, time_limit, base)
+                js, status, bound, n_used = _solve_uniform([tabs[i] for i in active], [sel[i] for i in active],
+                                                           [var_l[i] for i in active], n_var, ra[active],
+                                                           rb[active], n_rows, M, gap, time_limit, base)
             else:
                 js, status, bound = _solve_pairs([tabs[i] for i in active], ra[active], rb[active], n_rows, M, gap,
                                                  time_limit, base)
-                n_var = int(n_of[active].sum())
-            stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_var,
+                n_used = int(n_of[active].sum())
+            stats.setdefault("instances", []).append({"rank": r, "pairs": len(active), "variables": n_used,
                                                       "rows": n_rows, "seconds": time.perf_counter() - t_solve,
                                                       "how": status, "lower_bound_s": bound})
             if js is None:
@@ -287,7 +287,6 @@ def optimize_memory(graph: StageGraph, order: Sequence[Sequence[str]], limits: S
                 js_all[i] = j
             return js_all
 
-        n_var_u = n_var if uniform else 0
         js_all = choose(tabs)
         chosen = None if js_all is None else [t.opts[j] for t, j in zip(tabs, js_all)]
         host_M = fwd[0].host_limit

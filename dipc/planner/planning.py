@@ -12,7 +12,7 @@ import numbers
 import time
 
 from ..codegen.templates import Template, encoder_first_edges, fixed_order, template
-from ..plan import Plan, PlanError, forward_key, offloads, recompute_layout, stage_key
+from ..plan import Plan, PlanError, offloads, recompute_layout, stage_key
 from ..validation import validate
 from ..stages import Edge
 from .candidates import (comm_seconds, copy_stages, encoder_first_order, fill_gaps, group_policies, interleave,
@@ -216,7 +216,8 @@ class _StepPlanner:
         self.allowed: dict[str, tuple] = {}
         self.inputs: dict[str, float] = {}
         self.least: dict[str, tuple | None] = {}  # forward -> its least-memory allowed option (cleared with allowed)
-        # bytes of offloaded activations a rank may hold (the profile's host memory per GPU), on every forward
+        # bytes of offloaded activations a rank may hold (the profile's host memory per GPU), on every forward: the
+        # memory ILP keeps each rank's choice within it (dipc.planner.host_memory)
         self.host_limit = dev.host_memory if workload.host_bandwidth and self.limited else None
         if self.host_limit is not None:
             for st in self.graph.stages.values():
@@ -232,7 +233,7 @@ class _StepPlanner:
         """The least-memory recompute the forward's rank allows (ties: the least backward seconds)."""
         v = self.least.get(st.key, False)
         if v is False:
-            # (offloading strategies are the ILP's to choose: their host bytes are bounded per rank, :meth:`fit_host`)
+            # (offloading strategies are the ILP's to choose: it bounds their host bytes per rank, host_memory.py)
             opts = [o for o in self.allowed.get(st.key, ()) if o[0] != "keep" and not offloads(o[0])]
             if opts:
                 how, kept, extra, rebuild = min(opts, key=lambda o: (o[1], o[2]))
@@ -269,37 +270,6 @@ class _StepPlanner:
                 optimize_memory(graph, order, limits, uniform=t.kind == "fixed")  # the fewest layers that fit
         return timed_schedule(graph, order, comm_time=comm)
 
-    def fit_host(self, sched):
-        """DESIGN.md "Memory": offloaded activations stay within each rank's host memory (``host_limit``).  Walks
-        each rank's order; a forward at an offloading strategy (:func:`dipc.plan.offloads`) whose host bytes would
-        take the rank's host memory over it (counting every offloaded pair from its forward to its backward, which
-        bounds what the simulator holds) takes "recompute" instead: its inputs only on the device, no more than the
-        offloading strategy kept there, so the plan still fits, and its backward runs the forward again.  Returns
-        ``sched``, re-timed if a pair changed."""
-        if self.host_limit is None:
-            return sched
-        stages, changed = self.graph.stages, False
-        for ks in sched.order:
-            level = 0.0
-            for k in ks:
-                st = stages[k]
-                if not offloads(st.strategy):
-                    continue
-                if k[0] == "B":
-                    level -= stages[forward_key(k)].host_bytes
-                    continue
-                nbytes = st.host_bytes
-                if level + nbytes <= self.host_limit * (1 + 1e-9):
-                    level += nbytes
-                else:
-                    opt = next((o for o in self.options.get(k, ()) if o[0] == "recompute"), None)
-                    if opt is None:
-                        raise PlanError(f"{k} offloads {nbytes:.4g} bytes, over its rank's host memory for offloaded "
-                                        f"activations ({self.host_limit:.4g} bytes), and has no 'recompute' option")
-                    apply_option(self.graph, k, opt)
-                    changed = True
-        return timed_schedule(self.graph, sched.order, comm_time=self.comm) if changed else sched
-
     def over_limit(self, sched) -> list[float]:
         """Per rank, bytes the simulated plan (transients and buffers timed) is over its limit."""
         from ..sim.simulate import simulate_workload
@@ -311,7 +281,7 @@ class _StepPlanner:
 
     def plan_under(self, limits):
         """Plan, then re-plan under smaller budgets until the simulated plan fits (transients and buffers timed)."""
-        sched = self.fit_host(self.plan_once(limits))
+        sched = self.plan_once(limits)
         for attempt in range(MEMORY_ATTEMPTS if self.limited else 0):  # checked in the simulator, re-made smaller
             over = self.over_limit(sched)
             if max(over) <= self.tol:
@@ -324,7 +294,7 @@ class _StepPlanner:
                 raise PlanError(f"rank {r}'s plan stays {over[r]:.4g} bytes over its memory limit once its stages' "
                                 f"transients and message buffers are counted ({attempt + 1} plans tried)")
             take(self.graph, self.pristine)
-            sched = self.fit_host(self.plan_once(limits))
+            sched = self.plan_once(limits)
         return sched, limits
 
     def schedule_under_budgets(self):
@@ -417,12 +387,10 @@ class _StepPlanner:
         if found is not None and found[0].iteration_time < sched.iteration_time * (1 - 1e-9):
             kept = copy_stages(graph)
             take(graph, found[1])
-            better = self.fit_host(found[0])
-            if better.iteration_time >= sched.iteration_time * (1 - 1e-9) or \
-                    (self.limited and max(self.over_limit(better)) > self.tol):
+            if self.limited and max(self.over_limit(found[0])) > self.tol:
                 take(graph, kept)
             else:
-                sched = better
+                sched = found[0]
                 search.improved = True
         return sched, search
 
@@ -436,12 +404,10 @@ class _StepPlanner:
         if filled[0].iteration_time < sched.iteration_time * (1 - 1e-9):
             kept = copy_stages(self.graph)
             take(self.graph, filled[1])
-            better = self.fit_host(filled[0])
-            # as the search's: kept only if still faster within host memory, and if it fits once simulated
-            if better.iteration_time >= sched.iteration_time * (1 - 1e-9) or max(self.over_limit(better)) > self.tol:
+            if max(self.over_limit(filled[0])) > self.tol:  # as the search's: kept only if it fits once simulated
                 take(self.graph, kept)
             else:
-                sched = better
+                sched = filled[0]
                 gap_fill["moves"], gap_fill["after_s"] = filled[2], sched.iteration_time
         gap_fill["seconds"] = time.perf_counter() - t_fill
         return sched, gap_fill
