@@ -206,10 +206,14 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
 
         Args:
             group: the pipeline's process group (default: the default group, which must have ``pp_size`` ranks).
-            mesh: instead of ``group``, a ``torch.distributed.device_mesh.DeviceMesh`` whose dims are named "pp" and
-                optionally "dp", in any order (an unnamed 2-D mesh is read as ``[dp, pp]``, an unnamed 1-D one as
-                ``[pp]``): data parallelism x pipeline parallelism.  Any other dim name is refused, "tp" included
-                (the runtime does not run tensor parallelism yet).  Each data-parallel
+            mesh: instead of ``group``, a ``torch.distributed.device_mesh.DeviceMesh`` whose dims are named from
+                "pp", "dp" and "tp" (any subset that includes "pp", in any order; an unnamed 2-D mesh is read as
+                ``[dp, pp]``, an unnamed 1-D one as ``[pp]``).  "tp": tensor parallelism inside every stage
+                (:mod:`dipc.runtime.tensor_parallel`: the parameters become DTensors split as
+                :meth:`tensor_parallel_plan` says); its size must be the compiled ``tp_size``.  The ranks of one
+                tensor-parallel group run the same plan (made by the group's pipeline rank 0 of tp rank 0) and must
+                be given the same batch: the step's digests are checked over the pipeline's ranks of every
+                tensor-parallel index before any activation moves.  "dp": each data-parallel
                 replica is a pipeline of ``pp_size`` ranks with its own batch and its own planner; after each step
                 the replicas' gradients are all-reduced in buckets of ``bucket_mb`` MiB, weighted so they equal the
                 unsplit model's on the replicas' concatenated batch (see :class:`dipc.runtime.PipelineRuntime`).
@@ -242,30 +246,29 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 the ranks were pinned among; else this process's CPUs (:func:`dipc.planner.background.planner_cpus`).
 
         Raises:
-            ValueError: unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
+            ValueError: a mesh whose dims are not named from "pp", "dp", "tp", whose "pp" size is not ``pp_size``
+                or whose "tp" size (1 without one) is not the compiled ``tp_size``; both ``group`` and ``mesh``;
+                unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
                 ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool;
                 ``planner_cpus`` not a non-empty set of this host's CPU numbers.
         """
         from .runtime import PipelineRuntime
-        if self.tp_size != 1:
-            raise ValueError(f"the pipeline was compiled with tp_size={self.tp_size}: tensor parallelism is modelled by "
-                             "the cost model and the simulator only, and the runtime runs each stage on one device; "
-                             "compile with tp_size=1 (the default) to train")
-        dp_group = None
+        from .runtime.mesh import mesh_groups
+        dp_group = tp_mesh = plan_group = None
         if mesh is not None:
             if group is not None:
-                raise ValueError("give the pipeline's group or a [dp, pp] mesh, not both")
-            pp_dim, dp_dim = _mesh_dims(mesh)
-            if mesh.size(pp_dim) != self.pp_size:
-                raise ValueError(f"the mesh's pp dim has {mesh.size(pp_dim)} ranks but the pipeline was compiled for "
-                                 f"pp_size={self.pp_size}")
-            group = mesh.get_group(pp_dim)
-            dp_group = mesh.get_group(dp_dim) if dp_dim is not None else None
+                raise ValueError("give the pipeline's group or a mesh, not both")
+            group, dp_group, tp_mesh, plan_group = mesh_groups(mesh, self.pp_size, self.tp_size)
+        elif self.tp_size != 1:
+            raise ValueError(f"the pipeline was compiled with tp_size={self.tp_size}: give a mesh with a 'tp' dim of "
+                             f"{self.tp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., mesh_dim_names=("
+                             "'pp', 'tp'))))")
         return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
                                recompute=recompute, memory_limit=memory_limit, schedule=schedule,
                                budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
                                plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
-                               simulate_steps=simulate_steps, planner_cpus=planner_cpus)
+                               simulate_steps=simulate_steps, planner_cpus=planner_cpus, tp_mesh=tp_mesh,
+                               plan_group=plan_group)
 
 
 #: seconds after which ``dipc.compile(..., progress=None)`` starts printing its phases
@@ -309,28 +312,6 @@ class _Progress:
         if self.printed:
             print(f"dipc.compile: total {out['total']:.1f} s", file=sys.stderr, flush=True)
         return out
-
-
-def _mesh_dims(mesh) -> tuple[int, int | None]:
-    """``(pp dim, dp dim or None)`` of a device mesh given to :meth:`CompiledPipeline.runtime`, read by the dims'
-    names ("pp", "dp"), or by position when the mesh has none (``[dp, pp]``, ``[pp]``).
-
-    Raises:
-        ValueError: a mesh of more than 2 dims, a named mesh without "pp", or a dim named otherwise ("tp":
-            tensor parallelism, which the runtime does not run yet), naming the dims.
-    """
-    names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"mesh must be [pp] or [dp, pp], got {mesh.ndim} dims {names}")
-    if not names:
-        return (0, None) if mesh.ndim == 1 else (1, 0)
-    other = [n for n in names if n not in ("dp", "pp")]
-    if "tp" in other:
-        raise ValueError(f"the mesh's dims {names} ask for tensor parallelism ('tp'), which the runtime does not run "
-                         "yet (tp_size is for the cost model only): give a mesh of 'dp' and 'pp' dims")
-    if other or "pp" not in names or len(set(names)) != len(names):
-        raise ValueError(f"the mesh's dims must be named 'pp' and optionally 'dp', got {names}")
-    return names.index("pp"), (names.index("dp") if "dp" in names else None)
 
 
 def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence[Instances]) -> None:

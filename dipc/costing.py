@@ -202,7 +202,9 @@ class CostingMixin:
     def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``
         optimizer tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank
-        holding them), plus its buffers; divided by ``tp_size`` (each GPU of a stage holds 1/T of its weights).
+        holding them), plus its buffers; with ``tp_size`` T a parameter the tensor-parallel split divides
+        (:meth:`tensor_parallel_plan`: column/row-parallel weights, vocabulary-parallel tables) counts 1/T, the
+        replicated ones (norms, row-parallel biases, convolutions) and the buffers whole, as the runtime holds them.
         A 16-bit parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus
         an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
         cache = self.__dict__.setdefault("_state_bytes", {})
@@ -213,10 +215,11 @@ class CostingMixin:
     def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
         tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
-        plus its buffers."""
+        plus its buffers; per GPU of a tensor-parallel group (:meth:`rank_state_bytes`)."""
+        tp = self.tensor_parallel_plan()
         out = []
         for r in range(self.pp_size):
-            seen: dict[int, torch.Tensor] = {}
+            seen: dict[int, tuple[str, torch.Tensor]] = {}
             for c in self.partition.chunks:
                 cm = self.program.chunks.get(c.index)
                 if c.rank != r or cm is None:
@@ -224,17 +227,20 @@ class CostingMixin:
                 for name in cm.state_names:
                     t = self._state.get(name)
                     if t is not None:
-                        seen[id(t)] = t
+                        seen[id(t)] = (name, t)
             total = 0.0
-            for t in seen.values():
-                n = t.numel() * t.element_size()
+            for name, t in seen.values():
+                numel = t.numel()
+                if tp.shard_dim(name, t.ndim) is not None:
+                    numel //= self.tp_size  # the split divides it (plan_tensor_parallel splits only what T divides)
+                n = numel * t.element_size()
                 if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
                     total += n
                 elif t.element_size() < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master, states
-                    total += t.numel() * (t.element_size() + 4 * (2 + optimizer_states))
+                    total += numel * (t.element_size() + 4 * (2 + optimizer_states))
                 else:
                     total += n * (2 + optimizer_states)
-            out.append(total / self.tp_size)
+            out.append(total)
         return out
 
 

@@ -56,6 +56,39 @@ class InspectionMixin:
             return []
         return [n for n in cm.state_names if isinstance(self._state.get(n), torch.nn.Parameter)]
 
+    def tensor_parallel_plan(self, tp: int | None = None):
+        """How a tensor-parallel group of ``tp`` ranks (default the compiled ``tp_size``) holds each parameter:
+        Megatron's column/row split chosen from the main capture's graph
+        (:func:`dipc.passes.tensor_parallel.plan_tensor_parallel`; what the runtime shards and
+        :meth:`rank_state_bytes` counts; cached per ``tp``).
+
+        Returns:
+            a :class:`dipc.passes.tensor_parallel.TensorParallelPlan`.
+
+        Raises:
+            ValueError: ``tp`` is not an int >= 1."""
+        from .passes.tensor_parallel import plan_tensor_parallel
+
+        tp = self.tp_size if tp is None else tp
+        cache = self.__dict__.setdefault("_tp_plans", {})
+        if tp not in cache:
+            cap = self.program.capture
+            names = {n: fqn for n, (kind, fqn) in cap.state_targets.items() if kind == "parameter"}
+            shapes = {fqn: tuple(self._state[fqn].shape) for fqn in names.values()}
+            plan = plan_tensor_parallel([cap.graph], names, shapes, tp)
+            aliases: dict[int, list[str]] = {}  # a tied weight's names all get its style
+            for n, t in self._state.items():
+                if isinstance(t, torch.nn.Parameter):
+                    aliases.setdefault(id(t), []).append(n)
+            for group in aliases.values():
+                style = next((plan.styles[n] for n in group if n in plan.styles), None)
+                if style is not None:
+                    plan.styles.update(dict.fromkeys(group, style))
+                    for n in group:
+                        plan.replicated.pop(n, None)
+            cache[tp] = plan
+        return cache[tp]
+
     def to_torch_csv(self, plan) -> str:
         """``plan`` in torch.distributed.pipelining's compute-only CSV schedule format (one row per rank, actions
         ``{stage}F{microbatch}`` / ``{stage}B{microbatch}``, as ``PipelineScheduleMulti._load_csv`` reads), with
@@ -162,6 +195,8 @@ class InspectionMixin:
                          f"{c.cost.flops / 1e9:>9.4f} {node_latency(c.cost) * 1e3:>8.4f}"
                          + (f" {self.chunk_seconds.get(c.index, 0.0) * 1e3:>16.4f}" if self.chunk_seconds else "")
                          + f"  {blocks}")
+        if self.tp_size > 1:
+            lines.append(self.tensor_parallel_plan().summary())
         if self.specialized:
             dims = [f"{k}.shape[{d}]" for k, d in self.specialized]
             lines.append(f"static dims (re-captured per value when they change): {', '.join(dims)}")

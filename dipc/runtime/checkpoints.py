@@ -37,6 +37,24 @@ def _copy_into(dst, src) -> None:
             dst[k] = v
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel parameter's whole value (a collective over its group), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _assign(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` in ``dst``'s device and dtype; a whole ``src`` into a tensor-parallel ``dst`` copies
+    this rank's shard of it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    src = src.to(dst.device, dst.dtype)
+    if isinstance(dst, DTensor) and not isinstance(src, DTensor):
+        src = distribute_tensor(src, dst.device_mesh, dst.placements, src_data_rank=None)
+    dst.copy_(src)
+
+
 # ---------------------------------------------------------------------------------------------------- runtime
 
 
@@ -68,7 +86,7 @@ class CheckpointsMixin:
         with torch.no_grad():
             for n in mine:
                 if n in state_dict:
-                    targets[n].copy_(state_dict[n].to(targets[n].device, targets[n].dtype))
+                    _assign(targets[n], state_dict[n])
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load this rank's part of a full state dict (:meth:`full_state_dict`, or the unsplit model's
@@ -184,7 +202,7 @@ class CheckpointsMixin:
                 raise ValueError(f"extra may not use the keys {sorted(set(extra) & set(sd))}")
             sd.update(extra)
         if self.dp_size == 1:
-            dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+            dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.plan_group)
             self._write_checksums(checkpoint_id)
             return
         from ..wire import wait_work
@@ -193,7 +211,7 @@ class CheckpointsMixin:
         err = None
         try:  # data parallel: the first replica writes it, the others return once it is written
             if dist.get_rank(self.dp_group) == 0:
-                dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+                dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.plan_group)
                 self._write_checksums(checkpoint_id)
         except BaseException as e:  # noqa: BLE001 - the other replicas must hear of it, not wait
             failed += 1
@@ -218,10 +236,10 @@ class CheckpointsMixin:
         from ..wire import all_gather_json
 
         mine = {os.path.basename(f): _file_digest(f) for f in
-                sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{self.rank}_*.distcp")))}
-        every = all_gather_json(mine, self.group, self.device, self.timeout, "every rank's shard checksums")
+                sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{self.plan_rank}_*.distcp")))}
+        every = all_gather_json(mine, self.plan_group, self.device, self.timeout, "every rank's shard checksums")
         error = None
-        if self.rank == 0:
+        if self.plan_rank == 0:
             table = {k: v for part in every for k, v in part.items()}
             try:
                 with open(os.path.join(str(checkpoint_id), CHECKSUMS), "w") as f:
@@ -260,9 +278,10 @@ class CheckpointsMixin:
                              "checkpoint without checksums") from None
         # a shard the table does not name is not checked: damaged as well
         bad = [os.path.basename(f) for f in sorted(glob.glob(os.path.join(str(checkpoint_id), "*.distcp")))
-               if os.path.basename(f) not in table] if self.rank == 0 else []
+               if os.path.basename(f) not in table] if self.plan_rank == 0 else []
+        world = dist.get_world_size(self.plan_group)
         for i, name in enumerate(sorted(table)):
-            if i % self.world == self.rank:
+            if i % world == self.plan_rank:
                 f = os.path.join(str(checkpoint_id), name)
                 if os.path.basename(name) != name or not os.path.exists(f) or _file_digest(f) != table[name]:
                     bad.append(name)
@@ -323,7 +342,7 @@ class CheckpointsMixin:
             failure = e
         self._all_or_nothing(failure, optimizer, had_state, f"every rank's check of the checkpoint {checkpoint_id!r}")
         try:
-            dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.group)
+            dcp.load(sd, checkpoint_id=checkpoint_id, process_group=self.plan_group)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             failure = e
         self._all_or_nothing(failure, optimizer, had_state, f"every rank's load of the checkpoint {checkpoint_id!r}")
@@ -353,12 +372,13 @@ class CheckpointsMixin:
                            f"{self.rank} either")
 
     def _ranks_failing(self, failed: bool, what: str) -> list[int]:
-        """The pipeline ranks for which ``failed`` is true (a collective: every rank says whether it failed)."""
+        """The ranks of the pipeline (and of its tensor-parallel groups: the plan group) for which ``failed`` is
+        true (a collective: every rank says whether it failed)."""
         from ..wire import wait_work
 
-        flags = torch.zeros(self.world, dtype=torch.int32, device=self.device)
-        flags[self.rank] = int(failed)
-        wait_work(dist.all_reduce(flags, group=self.group, async_op=True), self.timeout, what)
+        flags = torch.zeros(dist.get_world_size(self.plan_group), dtype=torch.int32, device=self.device)
+        flags[self.plan_rank] = int(failed)
+        wait_work(dist.all_reduce(flags, group=self.plan_group, async_op=True), self.timeout, what)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:
@@ -420,8 +440,8 @@ class CheckpointsMixin:
                 for n, t in items:
                     out[n] = t.detach().clone()
                 continue
-            if r == self.rank:
-                buf = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
+            if r == self.rank:  # a tensor-parallel parameter is gathered first (over its group, on every owner)
+                buf = torch.cat([_full(t).detach().contiguous().reshape(-1).view(torch.uint8).to(self.device)
                                  for _, t in items if t.numel()])
             else:
                 buf = torch.empty(total, dtype=torch.uint8, device=self.device)

@@ -20,6 +20,7 @@ from ..errors import BatchError
 from ..plan import Plan
 from ..planner.workload import StepWorkload
 from .executor import StepFailed
+from .tensor_parallel import local_tensor
 
 __all__ = ["GradBuckets"]
 
@@ -33,10 +34,12 @@ class GradBuckets:
         group: the data-parallel process group.
         scale: this replica's gradient weight (its share of the loss normaliser; 1 for a summed loss).
         timeout: seconds each all-reduce may take once the step waits for it.
+        tp: the rank's :class:`dipc.runtime.tensor_parallel.TensorParallel` or None: a bucket's gradients are first
+            settled to their parameters' placements, and the buckets hold this rank's shards.
     """
 
-    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, group, scale: float, timeout: float):
-        self.group, self.scale, self.timeout = group, scale, timeout
+    def __init__(self, params: list[torch.Tensor], bucket_bytes: int, group, scale: float, timeout: float, tp=None):
+        self.group, self.scale, self.timeout, self.tp = group, scale, timeout, tp
         self.buckets: list[list[torch.Tensor]] = []
         size = 0  # bytes in the last bucket
         for p in reversed(params):
@@ -44,7 +47,7 @@ class GradBuckets:
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+            size += local_tensor(p).numel() * p.element_size()
         self.ready = [-1] * len(self.buckets)  # index of the rank's action after which each bucket is final
         self.flats: list[torch.Tensor] = []
         self.works: list = []
@@ -75,7 +78,9 @@ class GradBuckets:
 
     def _launch(self, i: int) -> None:
         b = self.buckets[len(self.works)]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b])
+        if self.tp is not None:
+            self.tp.settle(b)
+        flat = torch.cat([local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b])
         if self.scale != 1.0:
             flat.mul_(self.scale)
         self.flats.append(flat)
@@ -95,13 +100,13 @@ class GradBuckets:
         for b, flat in zip(self.buckets, self.flats):
             o = 0
             for p in b:
-                n = p.numel()
+                shard = local_tensor(p)
+                n = shard.numel()
                 if id(p) in live:
-                    g = flat[o:o + n].view_as(p)
+                    g = flat[o:o + n].view_as(shard)
                     if p.grad is None:
-                        p.grad = g.clone()
-                    else:
-                        p.grad.copy_(g)
+                        p.grad = torch.zeros_like(p)
+                    local_tensor(p.grad).copy_(g)
                 else:
                     p.grad = None
                 o += n
@@ -174,7 +179,7 @@ class DataParallelMixin:
         src = dist.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
             for n, t in self.state_dict_names().items():
-                wait_work(dist.broadcast(t.data, src=src, group=self.dp_group, async_op=True), self.timeout,
+                wait_work(dist.broadcast(local_tensor(t.data), src=src, group=self.dp_group, async_op=True), self.timeout,
                       f"the data-parallel broadcast of {n}")
 
     def _dp_count(self, batch) -> float:
@@ -305,7 +310,8 @@ class DataParallelMixin:
         self._dp_count_now, self._dp_total = count, total
         if training:
             scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
-            self._dp_buckets = GradBuckets(self.parameters(), self.bucket_bytes, self.dp_group, scale, self.timeout)
+            self._dp_buckets = GradBuckets(self.parameters(), self.bucket_bytes, self.dp_group, scale, self.timeout,
+                                           self.tp)
 
     def _dp_reads(self, w: StepWorkload):
         """action -> ids of the parameters its chunk reads (for :meth:`GradBuckets.schedule`)."""

@@ -88,7 +88,7 @@ class PlanDeliveryMixin:
         info: dict[str, Any] = {"source": "sync", "schedule": name, "planner_s": None,
                                 "why": ""}
         header = None
-        if self.rank == 0:
+        if self.plan_rank == 0:
             try:
                 if local_err is not None:
                     raise PlanError(f"building the step failed: {local_err}") if early is None else early
@@ -157,11 +157,11 @@ class PlanDeliveryMixin:
             except Exception as e:  # every rank raises it, instead of waiting for a plan
                 header = {"step": self.step_index, "error": f"{type(e).__name__}: {e}", "digest": mine}
         src = 0
-        header = broadcast_json(header, src, self.group, self.device, self.timeout,
+        header = broadcast_json(header, src, self.plan_group, self.device, self.timeout,
                                 what=f"the plan of step {self.step_index}")
         step, theirs = header["step"], header["digest"]
         if "error" in header:
-            if self.rank == 0 and early is not None:
+            if self.plan_rank == 0 and early is not None:
                 raise early  # rank 0's own bad input keeps its type (BatchError, ValueError)
             if early is not None and header["error"] == f"{type(early).__name__}: {early}":
                 raise early  # every rank refused the batch alike
@@ -169,7 +169,7 @@ class PlanDeliveryMixin:
         if header.get("source") != "fallback" and header.get("schedule") != name and local_err is None:
             local_err = (f"PlanError: this rank asked for schedule {name!r}, rank 0 for {header.get('schedule')!r} "
                          "(every rank must step with the same schedule)")
-        if self.rank != 0 and local_err is None:
+        if self.plan_rank != 0 and local_err is None:
             try:
                 got = Plan.text_digest(header["plan"])
                 if got != header["plan_digest"]:
@@ -191,16 +191,16 @@ class PlanDeliveryMixin:
         floats_differ = "floats" in header and header["floats"] != floats
         same = torch.tensor([1 if mine == theirs and not floats_differ else 0, self.step_index, -self.step_index,
                              0 if local_err else 1, bits, -bits], dtype=torch.int64, device=self.device)
-        wait_work(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.group, async_op=True), self.timeout,
+        wait_work(dist.all_reduce(same, op=dist.ReduceOp.MIN, group=self.plan_group, async_op=True), self.timeout,
               f"every rank's check of step {self.step_index}'s plan")
         if int(same[3].item()) == 0:  # some rank failed alone: the lowest one tells every rank what happened
-            bits = torch.tensor([float(2 ** self.rank) if local_err else 0.0], dtype=torch.float64,
+            bits = torch.tensor([float(2 ** self.plan_rank) if local_err else 0.0], dtype=torch.float64,
                                 device=self.device)
-            wait_work(dist.all_reduce(bits, group=self.group, async_op=True), self.timeout,
+            wait_work(dist.all_reduce(bits, group=self.plan_group, async_op=True), self.timeout,
                   f"every rank's failure flags of step {self.step_index}")
             b = int(bits.item())
             origin = (b & -b).bit_length() - 1
-            text = broadcast_json(local_err if self.rank == origin else None, origin, self.group, self.device,
+            text = broadcast_json(local_err if self.plan_rank == origin else None, origin, self.plan_group, self.device,
                                   self.timeout, what=f"rank {origin}'s failure of step {self.step_index}")
             if early is not None and text == local_err:
                 raise early  # this rank's own bad input, or the same as the first failing rank's

@@ -3,6 +3,7 @@ the plan, issue "Faults"), and :func:`run_local`, every rank's plan in one proce
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import defaultdict
@@ -70,8 +71,12 @@ class Executor:
     """
 
     def __init__(self, rank: int, workload: StepWorkload, plan: Plan, transport, chunk_modules: dict,
-                 device: torch.device | None = None, yield_after_post: bool = False):
+                 device: torch.device | None = None, yield_after_post: bool = False, tp=None):
         self.rank = rank
+        #: this rank's :class:`dipc.runtime.tensor_parallel.TensorParallel`, or None: chunks run on the group's
+        #: DTensors (inputs in, whole outputs out) under its context, and so do the backwards
+        self.tp = tp
+        self._tp_ctx = tp.context if tp is not None else contextlib.nullcontext
         # gloo on CPU moves data on a background thread that competes with this rank's compute for its core: giving
         # the core away after posting lets it push the message out now instead of after the next OS time slice
         self.yield_after_post = yield_after_post and hasattr(os, "sched_yield")
@@ -280,12 +285,17 @@ class Executor:
                     leaves[inp.name] = t
                 kwargs[inp.name] = t
         mod = self.mods[(id(prog), a.chunk)]
+        plain = kwargs
+        if self.tp is not None:
+            kwargs = self.tp.inputs(kwargs)
         if self.plan.forward_only:  # evaluation: no autograd graph; outputs live until their last reader here
             keys = {k: v for k, v in cm.extra.items() if k in self.want_outputs}
             if keys:
                 mod = self._outputs_module(prog, a.chunk, keys)
-            with torch.no_grad():
+            with torch.no_grad(), self._tp_ctx():
                 out = mod(**kwargs)
+            if self.tp is not None:
+                out = self.tp.outputs(out)
             for k in keys:
                 self.extra[(k, a.mb, a.sub)] = out.pop(EXTRA_PREFIX + k)
             if cm.loss is not None:
@@ -301,20 +311,23 @@ class Executor:
                     torch.enable_grad():
                 kept, _, host = kept_bytes(mod, kwargs, a.strategy, forward=prefix)
                 self.measure[fk] = (a.strategy, kept, host) if offloads(a.strategy) else (a.strategy, kept)
-        if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
-            self.saved[fk] = (kwargs, _rng_state(self.device))
-            with torch.no_grad():
-                out = mod(**kwargs)
-        elif a.strategy == "selective":  # one checkpoint keeping the matmul / attention / conv outputs
-            out = run_selective(mod, kwargs)
-        elif offloads(a.strategy):  # what it saves (outside its checkpoints) waits in host memory until the backward
-            out, self.offloaded[fk] = run_offloaded(prefix or mod, kwargs)
-        elif a.strategy != "keep":  # "recompute:k/g": the first k layers under checkpoints of g layers each
-            with torch.enable_grad():
-                out = prefix(**kwargs)
-        else:
-            with torch.enable_grad():
-                out = mod(**kwargs)
+        with self._tp_ctx():
+            if a.strategy == "recompute":  # keep the inputs only; the backward runs the chunk again
+                self.saved[fk] = (plain, _rng_state(self.device))
+                with torch.no_grad():
+                    out = mod(**kwargs)
+            elif a.strategy == "selective":  # one checkpoint keeping the matmul / attention / conv outputs
+                out = run_selective(mod, kwargs)
+            elif offloads(a.strategy):  # what it saves (outside its checkpoints) waits in host memory until the
+                out, self.offloaded[fk] = run_offloaded(prefix or mod, kwargs)  # backward
+            elif a.strategy != "keep":  # "recompute:k/g": the first k layers under checkpoints of g layers each
+                with torch.enable_grad():
+                    out = prefix(**kwargs)
+            else:
+                with torch.enable_grad():
+                    out = mod(**kwargs)
+        if self.tp is not None:
+            out = self.tp.outputs(out)
         self.outputs[fk] = out
         self.leaves[fk] = leaves
         if cm.loss is not None:
@@ -338,9 +351,12 @@ class Executor:
         if a.strategy == "recompute":
             kwargs, rng = self.saved.pop(fk)
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                    torch.enable_grad():
+                    torch.enable_grad(), self._tp_ctx():
                 _set_rng_state(rng, self.device)
-                out = self.mods[(id(prog), a.chunk)](**kwargs)
+                if self.tp is not None:
+                    out = self.tp.outputs(self.mods[(id(prog), a.chunk)](**self.tp.inputs(kwargs)))
+                else:
+                    out = self.mods[(id(prog), a.chunk)](**kwargs)
         g = self.grads.pop(fk, {})
         for tensors in self.received.pop(bk, {}).values():
             for name, t in tensors.items():
@@ -360,7 +376,8 @@ class Executor:
         if host is not None:
             host.prefetch()  # (a no-op when the action before brought them back)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self._tp_ctx():
+                torch.autograd.backward(tensors, grads)
         del host
         leaves = self.leaves.pop(fk)
         for name, leaf in leaves.items():
@@ -421,9 +438,11 @@ class Executor:
                 raise _PeerFailed(bad[0][0] - 1, bad[0][1])
 
 
-def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = None) -> dict:
+def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = None, tp=None) -> dict:
     """(program id, chunk) -> the chunk module, for the stages of ``ranks``; a program traced on the meta device
-    (a meta-device model) first gets its graph's ``device=meta`` constants set to ``device`` (:func:`_on_device`)."""
+    (a meta-device model) first gets its graph's ``device=meta`` constants set to ``device`` (:func:`_on_device`);
+    under tensor parallelism (``tp``) its graph is prepared for DTensors
+    (:meth:`dipc.runtime.tensor_parallel.TensorParallel.prepare`)."""
     mods = {}
     for k, prog in workload.programs.items():
         st = workload.graph.stages[k]
@@ -433,6 +452,8 @@ def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = Non
                 raise PlanError(f"chunk {st.chunk} has no module built in this process")
             if getattr(prog, "meta_trace", False):
                 _on_device(gm, device or torch.device("cpu"))
+            if tp is not None:
+                tp.prepare(gm)
             mods[(id(prog), st.chunk)] = gm
     return mods
 

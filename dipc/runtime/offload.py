@@ -34,7 +34,7 @@ class HostActivations:
     """
 
     def __init__(self, keep: Iterable[torch.Tensor] = ()):
-        self._keep = {t.untyped_storage()._cdata for t in keep if isinstance(t, torch.Tensor) and
+        self._keep = {_local(t).untyped_storage()._cdata for t in keep if isinstance(t, torch.Tensor) and
                       t.device.type != "meta"}
         self._entries: list[list[Any]] = []  # per storage: [host bytes | None, device bytes | None, device, event]
         # device storage -> (its weak ref, entry, the version of its data when copied)
@@ -50,6 +50,9 @@ class HostActivations:
         return self._stream
 
     def _pack(self, t: torch.Tensor):
+        if _is_dtensor(t):  # tensor parallelism: this rank's shard goes to host memory, the DTensor is rebuilt on it
+            return "dtensor", self._pack(t._local_tensor), t.device_mesh, tuple(t.placements), tuple(t.shape), \
+                tuple(t.stride())
         if t.device.type == "meta" or t.layout != torch.strided or t.numel() == 0:
             return t
         s = t.untyped_storage()
@@ -88,6 +91,13 @@ class HostActivations:
     def _unpack(self, x):
         if isinstance(x, torch.Tensor):
             return x
+        if x[0] == "dtensor":
+            from torch.distributed.tensor import DTensor
+
+            _, inner, mesh, placements, shape, stride = x
+            with torch.no_grad():
+                return DTensor.from_local(self._unpack(inner), mesh, placements, run_check=False, shape=shape,
+                                          stride=stride)
         i, dtype, offset, shape, stride = x
         e = self._entries[i]
         if e[1] is None:
@@ -124,6 +134,17 @@ class HostActivations:
         for e in self._entries:
             if e[1] is None:
                 self._fetch(e)
+
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (whose storage is what the rank holds), else ``t``."""
+    return t._local_tensor if _is_dtensor(t) else t
 
 
 def run_offloaded(module: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[Any, HostActivations]:

@@ -14,6 +14,13 @@ import torch.distributed as dist
 __all__ = ["ParametersMixin"]
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A reduction of a DTensor gradient as a plain tensor (its value over the whole tensor-parallel group)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class ParametersMixin:
     """The runtime's parameter methods (:mod:`dipc.runtime.parameters`)."""
 
@@ -177,11 +184,11 @@ class ParametersMixin:
         counted = [self._param_obj[pid].grad for pid in self.local_param_ids
                    if self._param_obj[pid].grad is not None and min(self._ranks_by_id[pid]) == self.rank]
         if p_ == math.inf:
-            local = max((g.detach().abs().max().to(torch.float64) for g in counted if g.numel()),
+            local = max((_whole(g.detach().abs().max()).to(torch.float64) for g in counted if g.numel()),
                         default=torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.MAX
-        else:
-            local = sum((torch.linalg.vector_norm(g.detach().to(torch.float64), p_) ** p_ for g in counted),
+        else:  # a tensor-parallel gradient's norm is its whole tensor's (DTensor reduces over the group)
+            local = sum((_whole(torch.linalg.vector_norm(g.detach().to(torch.float64), p_)) ** p_ for g in counted),
                         torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.SUM
         total = local.reshape(1).to(self.device)

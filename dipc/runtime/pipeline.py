@@ -30,6 +30,7 @@ from .evaluation import EvaluationMixin
 from .faults import FaultExchangeMixin
 from .parameters import ParametersMixin
 from .report import StepReport, measured_events
+from .tensor_parallel import local_tensor
 
 
 log = logging.getLogger("dipc")
@@ -51,7 +52,7 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                  budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
                  dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None,
-                 simulate_steps: bool = True, planner_cpus=None):
+                 simulate_steps: bool = True, planner_cpus=None, tp_mesh=None, plan_group=None):
         from ..codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
@@ -88,6 +89,10 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
                                "need no process group")
         self.compiled = compiled
         self.group = group
+        # plans are made once per pipeline and tensor-parallel group: its first rank plans, every rank checks the
+        # step's digests over it (ranks of one tensor-parallel group must run the same plan on the same batch)
+        self.plan_group = plan_group if plan_group is not None else group
+        self.plan_rank = dist.get_rank(self.plan_group)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         if self.world != compiled.pp_size:
@@ -127,6 +132,12 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         compiled.build_only({c.index for c in compiled.partition.chunks if c.rank == self.rank})
         if is_meta(compiled.model):
             self._materialize(init)
+        self.tp = None  # tensor parallelism (dipc.runtime.tensor_parallel), with a mesh's "tp" dim
+        if tp_mesh is not None:
+            from .tensor_parallel import TensorParallel
+
+            self.tp = TensorParallel(tp_mesh, compiled.tensor_parallel_plan(tp_mesh.size()), self.device)
+            self.tp.shard(compiled)
         self._setup_params()
         if self.dp_size > 1:
             self._dp_check_layout()
@@ -223,7 +234,7 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
         w, plan = self.plan_step(mbs, schedule, batch, given=plan, early=early, loss_scale=scale)
         mbs = w.microbatches
         info = self._plan_info
-        if self.rank == 0 and next_batch is not None:  # planned while this step runs
+        if self.plan_rank == 0 and next_batch is not None:  # planned while this step runs
             self._submit(next_batch, n, schedule)
         t1 = time.perf_counter()
         # this step's gradients accumulate into fresh .grad tensors; those of earlier steps (accumulation over steps)
@@ -240,6 +251,8 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
                     ex.after_action = buckets.after
 
             ex, loss = self._run_plan(w, plan, f"step {self.step_index}", configure)
+            if self.tp is not None:  # every gradient in its parameter's placement
+                self.tp.settle(self.parameters())
 
             zero_unreached_grads(self.compiled, w, {self.rank})
 
@@ -249,7 +262,7 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
                 p = self._param_obj[pid]  # data-parallel sum as well as before it)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                sum_over_ranks(p.grad, rs, self.group, self.timeout,
+                sum_over_ranks(local_tensor(p.grad), rs, self.group, self.timeout,
                                f"step {self.step_index}'s gradient of the tied weight {self._names_by_id[pid][0]!r}")
         except BaseException:
             for p, g in stash:

@@ -250,28 +250,36 @@ def test_a_meta_model_and_batch_compile_with_instances_read_from_the_config():
     assert [i.modality for i in c.batch_spec.instances] == ["vision"]
 
 
-def test_meshes_are_read_by_their_dim_names_and_tensor_parallelism_is_refused():
-    """A mesh is read by its dims' names ("pp", "dp"; by position only when unnamed); a "tp" dim, or a pipeline
-    compiled with tp_size > 1, is refused before any process group is touched (the runtime does not run tensor
-    parallelism yet; before, a ("pp", "tp") mesh trained silently as two data-parallel replicas)."""
+def test_meshes_are_read_by_their_dim_names():
+    """A mesh is read by its dims' names (any subset of "pp", "dp", "tp" with "pp", in any order; by position only
+    when unnamed: [pp] or [dp, pp]); other names, a repeated name or no "pp" are refused, and a pipeline compiled
+    with tp_size > 1 needs a mesh whose "tp" dim has that size, all before any process group is touched (before
+    issue 37, a ("pp", "tp") mesh trained silently as two data-parallel replicas)."""
     from types import SimpleNamespace
 
-    from dipc.compiler import _mesh_dims
+    from dipc.runtime.mesh import mesh_dims, mesh_groups
 
-    def mesh(names, ndim=None):
-        return SimpleNamespace(mesh_dim_names=names, ndim=ndim or len(names))
+    def mesh(names, ndim=None, sizes=None):
+        return SimpleNamespace(mesh_dim_names=names, ndim=ndim or len(names), size=lambda d: sizes[d])
 
-    assert _mesh_dims(mesh(("dp", "pp"))) == (1, 0) and _mesh_dims(mesh(("pp", "dp"))) == (0, 1)
-    assert _mesh_dims(mesh(("pp",))) == (0, None)
-    assert _mesh_dims(mesh(None, 2)) == (1, 0) and _mesh_dims(mesh(None, 1)) == (0, None)
-    with pytest.raises(ValueError, match=r"ask for tensor parallelism \('tp'\)"):
-        _mesh_dims(mesh(("pp", "tp")))
-    for names in (("dp", "tp"), ("x", "pp"), ("dp", "dp"), ("dp",)):
-        with pytest.raises(ValueError, match="mesh"):
-            _mesh_dims(mesh(names))
-    with pytest.raises(ValueError, match="3 dims"):
-        _mesh_dims(mesh(("dp", "pp", "tp")))
+    assert mesh_dims(mesh(("dp", "pp"))) == {"pp": 1, "dp": 0, "tp": None}
+    assert mesh_dims(mesh(("pp", "dp"))) == {"pp": 0, "dp": 1, "tp": None}
+    assert mesh_dims(mesh(("pp",))) == {"pp": 0, "dp": None, "tp": None}
+    assert mesh_dims(mesh(("tp", "dp", "pp"))) == {"pp": 2, "dp": 1, "tp": 0}
+    assert mesh_dims(mesh(None, 2)) == {"pp": 1, "dp": 0, "tp": None}
+    assert mesh_dims(mesh(None, 1)) == {"pp": 0, "dp": None, "tp": None}
+    for names in (("dp", "tp"), ("x", "pp"), ("dp", "dp"), ("dp",), ("pp", "tp", "ep")):
+        with pytest.raises(ValueError, match="mesh's dims must be named from 'pp', 'dp' and 'tp'"):
+            mesh_dims(mesh(names))
+    with pytest.raises(ValueError, match="unnamed mesh must be"):
+        mesh_dims(mesh(None, 3))
+    with pytest.raises(ValueError, match="tp dim has 4 rank.s. but the pipeline was compiled with tp_size=2"):
+        mesh_groups(mesh(("pp", "tp"), sizes=[2, 4]), 2, 2)
+    with pytest.raises(ValueError, match="pp dim has 4 ranks but the pipeline was compiled for pp_size=2"):
+        mesh_groups(mesh(("pp", "tp"), sizes=[4, 2]), 2, 2)
+    with pytest.raises(ValueError, match="tp dim has 1 rank.s. but the pipeline was compiled with tp_size=2"):
+        mesh_groups(mesh(("dp", "pp"), sizes=[2, 2]), 2, 2)
     torch.manual_seed(0)
     c = dipc.compile(pc.vlm(False, 1, 1), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2, check=False)
-    with pytest.raises(ValueError, match="compiled with tp_size=2: tensor parallelism is modelled"):
+    with pytest.raises(ValueError, match="compiled with tp_size=2: give a mesh with a 'tp' dim of 2 ranks"):
         c.runtime(n_microbatches=2)

@@ -1,0 +1,68 @@
+"""Reading a ``DeviceMesh`` for a pipeline (DESIGN.md "Mesh"): which dims are pipeline, data and tensor
+parallelism, and the process groups a :class:`dipc.runtime.PipelineRuntime` runs on."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch.distributed as dist
+
+__all__ = ["mesh_dims", "mesh_groups"]
+
+
+def mesh_dims(mesh) -> dict[str, int | None]:
+    """``{"pp": dim, "dp": dim or None, "tp": dim or None}`` of a device mesh given to
+    :meth:`CompiledPipeline.runtime`, read by the dims' names (any subset of "pp", "dp", "tp" that includes "pp", in
+    any order), or by position when the mesh has none (``[dp, pp]``, ``[pp]``).
+
+    Raises:
+        ValueError: an unnamed mesh of more than 2 dims, a named mesh without "pp", a repeated name or a dim named
+            otherwise, naming the dims.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"an unnamed mesh must be [pp] or [dp, pp], got {mesh.ndim} dims: name the dims "
+                             "(init_device_mesh(..., mesh_dim_names=('dp', 'pp', 'tp')))")
+        return {"pp": 0, "dp": None, "tp": None} if mesh.ndim == 1 else {"pp": 1, "dp": 0, "tp": None}
+    if "pp" not in names or len(set(names)) != len(names) or any(n not in ("dp", "pp", "tp") for n in names):
+        raise ValueError(f"the mesh's dims must be named from 'pp', 'dp' and 'tp' (each at most once, 'pp' among "
+                         f"them), got {names}")
+    return {k: (names.index(k) if k in names else None) for k in ("pp", "dp", "tp")}
+
+
+def plan_group(mesh, dims: Mapping[str, int | None]):
+    """The process group of this rank's pipeline and tensor-parallel ranks (one data-parallel index), ordered by
+    (pp rank, tp rank): its first rank (pipeline rank 0, tensor-parallel rank 0) plans each step and every rank checks
+    the plan's digests over it.  Every rank of the mesh creates every such group (``new_subgroups_by_enumeration``)."""
+    t = mesh.mesh
+    order = [d for d in (dims["dp"], dims["pp"], dims["tp"]) if d is not None]
+    t = t.permute(*order)
+    if dims["dp"] is None:
+        t = t.unsqueeze(0)
+    ranks = [[int(r) for r in row.reshape(-1).tolist()] for row in t]
+    mine, _ = dist.new_subgroups_by_enumeration(ranks)
+    return mine
+
+
+def mesh_groups(mesh, pp_size: int, tp_size: int):
+    """``(pipeline group, data-parallel group or None, tensor-parallel 1-D mesh or None, plan group or None)`` of
+    this rank in ``mesh`` (:func:`mesh_dims`; the plan group: :func:`plan_group`, with a "tp" dim only).
+
+    Raises:
+        ValueError: the mesh's dims are not named from "pp", "dp", "tp"; its "pp" size is not ``pp_size``; its "tp"
+            size (1 without one) is not ``tp_size`` (the cost model would plan another configuration than runs).
+    """
+    dims = mesh_dims(mesh)
+    names = mesh.mesh_dim_names
+    if mesh.size(dims["pp"]) != pp_size:
+        raise ValueError(f"the mesh's pp dim has {mesh.size(dims['pp'])} ranks but the pipeline was compiled for "
+                         f"pp_size={pp_size}")
+    tp = mesh.size(dims["tp"]) if dims["tp"] is not None else 1
+    if tp != tp_size:
+        raise ValueError(f"the mesh's tp dim has {tp} rank(s) but the pipeline was compiled with tp_size={tp_size}: "
+                         f"compile with dipc.compile(..., tp_size={tp}) so that the cost model plans what runs")
+    group = mesh.get_group(dims["pp"])
+    dp_group = mesh.get_group(dims["dp"]) if dims["dp"] is not None else None
+    if dims["tp"] is None:
+        return group, dp_group, None, None
+    return group, dp_group, mesh[names[dims["tp"]]], plan_group(mesh, dims)
