@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     summary = []
     vpp_speed: dict = {}  # (model, microbatches) -> megatron-vpp time / DIP time (None: it did not fit)
     compiled_cache = {}
+    meshes: list[str] = []
     for name in models:
         compiled, batch_fn, cs = build(name)
         compiled_cache[name] = (compiled, batch_fn)
@@ -219,6 +220,16 @@ def main(argv=None) -> int:
         cs_b = ", ".join(f"{b} {v[2]:.0f} s" for b, v in baselines.items())
         out(f"| {name} | | | | compile {cs:.0f} s ({cs_b}) | | | | static "
             f"{max(compiled.rank_state_bytes()) / GB:.1f} GB/GPU | | | |")
+        split = compiled.tensor_parallel_plan()
+        meshes.append(f"- {name}: `init_device_mesh(\"cuda\", ({pp}, {tp}), mesh_dim_names=(\"pp\", \"tp\"))`, "
+                      f"{pp * tp} GPUs, `compiled.runtime(mesh=mesh)`; {split.summary().splitlines()[0]} "
+                      f"({len(split.replicated)} 2-D weight(s) left whole)")
+    out()
+    out("Each row's mesh as the runtime runs it (one data-parallel replica; the tensor-parallel split is "
+        "`compiled.tensor_parallel_plan()`, the one the static bytes count):")
+    out()
+    for m in meshes:
+        out(m)
     out()
     out("Summary: DIP against the best template, and DIP's distance to its bubble-free bound (acceptance: every peak "
         "<= 80 GB; DIP within 10% of its bound; DIP >= 1.15x the best template on VLM-S, >= 1.3x on T2V-S).")

@@ -178,14 +178,21 @@ class CostingMixin:
         return node_latency(self.partition.chunks[chunk].cost)
 
     def tp_comm_seconds(self, prog: Program, chunk: int, bindings: Mapping) -> float:
-        """Seconds of the tensor-parallel all-reduces one forward (or one backward) of ``chunk`` pays at
-        ``bindings``: two per block (Megatron: after attention's output projection and after the MLP; the same two
-        in backward for the column-parallel inputs' gradients) of the chunk's residual stream, taken as its largest
-        floating-point input or output value, each a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
+        """Seconds of the tensor-parallel collectives one forward (or one backward) of ``chunk`` pays at
+        ``bindings``, as the split (:meth:`tensor_parallel_plan`) makes the runtime issue them: one per column/row
+        pair whose row-parallel weight the chunk reads (forward: the row-parallel output's all-reduce; backward: the
+        column-parallel input's gradient) and one per vocabulary-parallel table or LM head (the lookup's all-reduce,
+        the logits' gather), each of the chunk's residual stream, taken as its largest floating-point input or
+        output value, a ring over ``tp_size`` GPUs on the profile's ``tp_bandwidth``
         (:meth:`dipc.sim.device.DeviceProfile.tp_allreduce_time`).  0 with ``tp_size`` 1 or no device profile."""
         if self.tp_size == 1 or self.device is None:
             return 0.0
         cm = prog.chunks[chunk]
+        split = self.tensor_parallel_plan()
+        reads = set(cm.state_names)
+        n = sum(1 for _, row in split.pairs if row in reads) + \
+            len({id(self._state[w]) for w, st in split.styles.items() if st == "vocab" and w in reads
+                 and self._state[w].ndim == 2})
         metas = list(cm.output_meta.values())
         metas += [prog.chunks[i.src_chunk].output_meta[i.name] for i in cm.inputs
                   if i.kind == "value" and i.src_chunk in prog.chunks and i.name in prog.chunks[i.src_chunk].output_meta]
@@ -196,8 +203,7 @@ class CostingMixin:
                 for d in m.concrete_shape(bindings):
                     n *= d
                 payload = max(payload, n)
-        first, last = self.partition.chunks[chunk].blocks
-        return 2 * (last - first) * self.device.tp_allreduce_time(payload, self.tp_size)
+        return n * self.device.tp_allreduce_time(payload, self.tp_size)
 
     def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``

@@ -5,9 +5,10 @@ each step (tolerance: rtol 1e-4, atol 1e-6 for gradients; tensor parallelism sum
 halves, so the last bits differ from the unsplit model's).  Per rank, the parameter, gradient, optimizer-state and
 buffer bytes it really holds equal the memory model's figure (:meth:`CompiledPipeline.rank_state_bytes`).  Ranks of
 one tensor-parallel group given different batches are refused on every rank before any activation moves, gradients
-untouched.  The full state dict is the unsplit model's, and a DCP checkpoint written at (pp 2, tp 2) loads into the
-unsplit model (the reference VLM with tied embeddings, in the default suite); HF LLaVA, with re-captures and bf16
-autocast, in the full suite."""
+untouched.  Every memory strategy gives the same gradients on the shards.  The full state dict is the unsplit model's;
+a DCP checkpoint written at (pp 2, tp 2) loads into the unsplit model, into the pipeline again, and at (dp 2, pp 2),
+and one written there loads back at (pp 2, tp 2) (the reference VLM with tied embeddings, in the default suite).  In
+the full suite: HF LLaVA, with re-captures and bf16 autocast, and (dp 2, pp 2, tp 2) on 8 processes."""
 import os
 
 import pytest
@@ -181,6 +182,76 @@ def _vlm(rank, world, out_dir):
     pipe.load_checkpoint(ck, opt)
     for n, p in pipe.named_parameters():
         assert torch.equal(_local(p), snapshot[n]), f"rank {rank}: {n} after load_checkpoint"
+    # across mesh shapes: the (pp 2, tp 2) checkpoint loads at (dp 2, pp 2), and one written there loads back at
+    # (pp 2, tp 2), exactly
+    other = dipc.compile(pc.vlm(True), pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2},
+                         progress=False)
+    dp_pipe = other.runtime(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), n_microbatches=2,
+                            timeout=120)
+    dp_pipe.load_checkpoint(ck)
+    moved = dp_pipe.full_state_dict()
+    for n in want:
+        assert torch.equal(moved[n], full[n]), f"rank {rank}: {n} loaded at (dp 2, pp 2)"
+    with torch.no_grad():
+        for p in dp_pipe.parameters():
+            p.mul_(0.5)
+    halved = dp_pipe.full_state_dict()
+    ck2 = os.path.join(out_dir, "ck_dp")
+    dp_pipe.save_checkpoint(ck2)
+    dist.barrier()
+    pipe.load_checkpoint(ck2)
+    back = pipe.full_state_dict()
+    for n in want:
+        assert torch.equal(back[n], halved[n]), f"rank {rank}: {n} loaded back at (pp 2, tp 2)"
+    dp_pipe.close()
+    pipe.close()
+    return worst
+
+
+def _mesh3(rank, world, out_dir):
+    """(dp 2, pp 2, tp 2) on 8 processes: each replica's batch differs; loss, gathered gradients, the global
+    gradient norm and the parameters after AdamW equal the unsplit model's on the concatenated batch."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.testing import unsplit_loss
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    dp = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    model = pc.vlm(True)
+    ref = copy.deepcopy(model)
+    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2, sub_microbatch_size={"vision": 2},
+                            progress=False)
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200, bucket_mb=0.01)  # several buckets
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
+    steps = [(pc.vlm_batch([0, 0, 2, 1], 16, 10), pc.vlm_batch([1, 2, 0, 0], 16, 11)),
+             (pc.vlm_batch([0, 3, 0, 1], 14, 20), pc.vlm_batch([0, 0, 0, 0], 14, 21))]
+    params = dict(ref.named_parameters())
+    worst = 0.0
+    for mine, theirs in steps:
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pipe.step((mine, theirs)[dp])
+        want = unsplit_loss(ref, {k: torch.cat([mine[k], theirs[k]]) for k in mine})
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        for n, p in pipe.named_parameters():
+            g = params[n].grad
+            if g is not None:
+                torch.testing.assert_close(_full(p.grad), g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+                worst = max(worst, float((_full(p.grad) - g).abs().max()))
+        torch.testing.assert_close(pipe.clip_grad_norm_(1.0), torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0),
+                                   rtol=1e-4, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        for n, p in pipe.named_parameters():
+            torch.testing.assert_close(_full(p), params[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     pipe.close()
     return worst
 
@@ -243,6 +314,13 @@ def _torchrun(tmp_path, fn, nprocs=4, timeout=280):
 def test_pp_by_tp_mesh_equals_the_unsplit_model(tmp_path):
     out = _torchrun(tmp_path, "_vlm")
     assert max(out) < 1e-4
+
+
+@SLOW
+@pytest.mark.timeout(400)
+def test_dp_by_pp_by_tp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(tmp_path):
+    out = _torchrun(tmp_path, "_mesh3", nprocs=8, timeout=380)
+    assert max(out) < 1e-5
 
 
 @SLOW
