@@ -258,7 +258,7 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         if mesh is not None:
             if group is not None:
                 raise ValueError("give the pipeline's group or a mesh, not both")
-            group, dp_group, tp_mesh, plan_group = mesh_groups(mesh, self.pp_size, self.tp_size)
+            group, dp_group, tp_mesh, plan_group = mesh_groups(mesh, self.pp_size, self.tp_size, timeout)
         elif self.tp_size != 1:
             raise ValueError(f"the pipeline was compiled with tp_size={self.tp_size}: give a mesh with a 'tp' dim of "
                              f"{self.tp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., mesh_dim_names=("

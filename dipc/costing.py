@@ -190,7 +190,7 @@ class CostingMixin:
         cm = prog.chunks[chunk]
         split = self.tensor_parallel_plan()
         reads = set(cm.state_names)
-        n = sum(1 for _, row in split.pairs if row in reads) + \
+        n_collectives = sum(1 for _, row in split.pairs if row in reads) + \
             len({id(self._state[w]) for w, st in split.styles.items() if st == "vocab" and w in reads
                  and self._state[w].ndim == 2})
         metas = list(cm.output_meta.values())
@@ -203,7 +203,7 @@ class CostingMixin:
                 for d in m.concrete_shape(bindings):
                     n *= d
                 payload = max(payload, n)
-        return n * self.device.tp_allreduce_time(payload, self.tp_size)
+        return n_collectives * self.device.tp_allreduce_time(payload, self.tp_size)
 
     def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``

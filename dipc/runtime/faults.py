@@ -19,6 +19,17 @@ from .transport import TransportError
 __all__ = ["FaultExchangeMixin"]
 
 
+def _collective_error(e: BaseException | None) -> bool:
+    """Whether ``e`` came out of a collective or its transport (a timeout, a closed connection) rather than the
+    model's code."""
+    if e is None:
+        return False
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return any(k in text for k in ("gloo/", "NCCL", "Connection closed", "Timed out", "timed out"))
+
+
 class FaultExchangeMixin:
     """Running a plan and exchanging every rank's status (mixed into :class:`dipc.runtime.PipelineRuntime`)."""
 
@@ -74,16 +85,26 @@ class FaultExchangeMixin:
         from ..wire import WireTimeout, wait_work, broadcast_json
 
         own = failure is not None and not isinstance(failure, _PeerFailed)
-        flag = torch.stack([torch.tensor(float(2 ** self.rank) if own else 0.0, dtype=torch.float64),
-                            torch.tensor(1.0 if isinstance(failure, TransportError) else 0.0, dtype=torch.float64),
-                            local_loss.to("cpu", torch.float64)]).to(self.device)
+        # under tensor parallelism every rank of the pipeline and of its tensor-parallel groups (the plan group)
+        # learns of a failure; a rank whose collective inside a stage failed (its peer failed before joining it)
+        # leaves that group unusable
+        broken = isinstance(failure, TransportError) or (self.tp is not None and _collective_error(failure))
+        me = self.plan_rank
+        flag = torch.stack([torch.tensor(float(2 ** me) if own else 0.0, dtype=torch.float64),
+                            torch.tensor(1.0 if broken else 0.0, dtype=torch.float64),
+                            # each pipeline rank's loss share once: its tensor-parallel rank 0's
+                            local_loss.to("cpu", torch.float64) * (me % self._tp_size() == 0),
+                            # the ranks whose own code failed (not a collective a failed peer left)
+                            torch.tensor(float(2 ** me) if own and not _collective_error(failure) else 0.0,
+                                         dtype=torch.float64)]).to(self.device)
         mine = ""
         if failure is not None:
             a = ex.failure[0] if ex.failure else "the step's last sends"
-            mine = f"this rank (rank {self.rank}) failed in {a}: {type(failure).__name__}: {failure}; "
-        try:
-            wait_work(dist.all_reduce(flag, group=self.group, async_op=True), self.timeout,
-                  f"every rank's status after step {self.step_index}")
+            mine = f"this rank ({self._who(me)}) failed in {a}: {type(failure).__name__}: {failure}; "
+        try:  # a tensor-parallel peer may first wait out its stage's collective (up to the timeout)
+            wait_work(dist.all_reduce(flag, group=self.plan_group, async_op=True),
+                      self.timeout * (2 if self.tp is not None else 1),
+                      f"every rank's status after step {self.step_index}")
         except (WireTimeout, RuntimeError) as e:
             gone = self._unresponsive()
             raise StepFailed(f"step {self.step_index}: {mine}the status exchange with the other ranks failed ({e}): "
@@ -95,18 +116,30 @@ class FaultExchangeMixin:
                 raise StepFailed(f"step {self.step_index}: {mine}no rank reported the failure",
                                  step=self.step_index, usable=False) from failure
             return flag[2].cpu()
-        origin = (bits & -bits).bit_length() - 1  # the lowest failing rank speaks for all
+        first = int(flag[3].item()) or bits  # the lowest rank whose own code failed speaks for all
+        origin = (first & -first).bit_length() - 1
         text = None
-        if self.rank == origin:
+        if me == origin:
             a = ex.failure[0] if ex.failure else "the step's last sends"
             text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
-        text = broadcast_json(text, origin, self.group, self.device, self.timeout,
-                              what=f"rank {origin}'s failure report of step {self.step_index}")
-        others = [r for r in range(self.world) if bits >> r & 1 and r != origin]
+        text = broadcast_json(text, origin, self.plan_group, self.device, self.timeout,
+                              what=f"{self._who(origin)}'s failure report of step {self.step_index}")
+        others = [self._who(r).removeprefix("rank ") for r in range(dist.get_world_size(self.plan_group))
+                  if bits >> r & 1 and r != origin]
         more = f" (ranks {others} failed too)" if others else ""
         state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
                  "such a pair)" if broken else "the process group can run further steps")
-        raise StepFailed(f"step {self.step_index}: rank {origin} failed in {text['action']}: {text['error']}{more}; "
-                         f"every rank stopped the step and its .grad is as before it; {state}", origin=origin,
-                         action=text["action"], step=self.step_index, usable=not broken) from failure
+        raise StepFailed(f"step {self.step_index}: {self._who(origin)} failed in {text['action']}: {text['error']}"
+                         f"{more}; every rank stopped the step and its .grad is as before it; {state}",
+                         origin=origin // self._tp_size(), action=text["action"], step=self.step_index,
+                         usable=not broken) from failure
+
+    def _tp_size(self) -> int:
+        return self.tp.size if self.tp is not None else 1
+
+    def _who(self, plan_rank: int) -> str:
+        """A rank of the plan group by its pipeline rank (and tensor-parallel rank, under tensor parallelism: the
+        plan group is ordered by (pipeline rank, tensor-parallel rank))."""
+        T = self._tp_size()
+        return f"rank {plan_rank}" if T == 1 else f"rank {plan_rank // T} (tensor-parallel rank {plan_rank % T})"
 

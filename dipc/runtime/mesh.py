@@ -44,16 +44,36 @@ def plan_group(mesh, dims: Mapping[str, int | None]):
     return mine
 
 
-def mesh_groups(mesh, pp_size: int, tp_size: int):
+def tp_mesh(mesh, dims: Mapping[str, int | None], timeout: float):
+    """This rank's tensor-parallel 1-D mesh, on a process group of its own whose collectives time out after
+    ``timeout`` seconds (the runtime's: a rank whose peer failed mid-stage is not left in a DTensor collective for
+    the default group's 30 minutes).  Every rank of the mesh creates every such group."""
+    import datetime
+    import math
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        timeout = 300.0  # the runtime refuses it by name next
+
+    t = mesh.mesh.movedim(dims["tp"], -1).reshape(-1, mesh.size(dims["tp"]))
+    ranks = [[int(r) for r in row.tolist()] for row in t]
+    mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=datetime.timedelta(seconds=timeout))
+    me = dist.get_rank()
+    row = next(r for r in ranks if me in r)
+    return DeviceMesh.from_group(mine, mesh.device_type, mesh=row, mesh_dim_names=("tp",))
+
+
+def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0):
     """``(pipeline group, data-parallel group or None, tensor-parallel 1-D mesh or None, plan group or None)`` of
-    this rank in ``mesh`` (:func:`mesh_dims`; the plan group: :func:`plan_group`, with a "tp" dim only).
+    this rank in ``mesh`` (:func:`mesh_dims`; the tensor-parallel mesh: :func:`tp_mesh`, its collectives timing
+    out after ``timeout`` seconds; the plan group: :func:`plan_group`; both with a "tp" dim only).
 
     Raises:
         ValueError: the mesh's dims are not named from "pp", "dp", "tp"; its "pp" size is not ``pp_size``; its "tp"
             size (1 without one) is not ``tp_size`` (the cost model would plan another configuration than runs).
     """
     dims = mesh_dims(mesh)
-    names = mesh.mesh_dim_names
     if mesh.size(dims["pp"]) != pp_size:
         raise ValueError(f"the mesh's pp dim has {mesh.size(dims['pp'])} ranks but the pipeline was compiled for "
                          f"pp_size={pp_size}")
@@ -65,4 +85,4 @@ def mesh_groups(mesh, pp_size: int, tp_size: int):
     dp_group = mesh.get_group(dims["dp"]) if dims["dp"] is not None else None
     if dims["tp"] is None:
         return group, dp_group, None, None
-    return group, dp_group, mesh[names[dims["tp"]]], plan_group(mesh, dims)
+    return group, dp_group, tp_mesh(mesh, dims, timeout), plan_group(mesh, dims)

@@ -278,6 +278,53 @@ def _llava(rank, world, out_dir):
     return worst, worst_amp
 
 
+def _fault(rank, world, out_dir):
+    """A rank of a tensor-parallel group raises in a forward: its peer is left in the stage's collective until the
+    runtime's timeout (its group's own), then every rank of the mesh raises the same StepFailed naming the rank
+    whose code failed, with .grad as before the step, and the group marked unusable."""
+    import time
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dipc
+    import pipeline_cases as pc
+    from dipc.runtime import StepFailed
+    from dipc.runtime.executor import Executor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    torch.manual_seed(0)
+    compiled = dipc.compile(pc.vlm(True), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2,
+                            sub_microbatch_size={"vision": 2}, progress=False)
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=20)
+    b = pc.vlm_batch([0, 0, 2, 1], 16, 10)
+    pipe.step(b)
+    before = {n: _local(p.grad).clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    real, calls = Executor._forward, []
+
+    def failing(self, a):
+        calls.append(a)
+        if len(calls) == 2:
+            raise RuntimeError("injected forward failure")
+        return real(self, a)
+    if rank == 1:  # pipeline rank 0, tensor-parallel rank 1
+        Executor._forward = failing
+    t = time.perf_counter()
+    try:
+        with pytest.raises(StepFailed) as err:
+            pipe.step(b)
+    finally:
+        Executor._forward = real
+    took = time.perf_counter() - t
+    e = err.value
+    assert "rank 0 (tensor-parallel rank 1) failed in" in str(e) and "injected forward failure" in str(e), str(e)
+    assert e.origin == 0 and not e.usable, (e.origin, e.usable)
+    for n, p in pipe.named_parameters():
+        if n in before:
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+    return took
+
+
 _MAIN = """
 import json, os, sys
 sys.path[:0] = [{tests!r}, {shared!r}]
@@ -329,3 +376,10 @@ def test_dp_by_pp_by_tp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(
 def test_pp_by_tp_mesh_trains_hf_llava_as_the_unsplit_model(tmp_path):
     out = _torchrun(tmp_path, "_llava", timeout=380)
     assert max(w for w, _ in out) < 1e-4
+
+
+@SLOW
+@pytest.mark.timeout(300)
+def test_a_failure_on_one_tp_rank_raises_on_every_rank_of_the_mesh_within_the_timeout(tmp_path):
+    out = _torchrun(tmp_path, "_fault")
+    assert max(out) < 3 * 20  # the runtime's timeout is 20 s: the status exchange waits out the peer's collective
