@@ -97,6 +97,8 @@ class TensorParallelPlan:
             lines.append(f"  replicated {n}: {why}")
         if len(self.replicated) > 8:
             lines.append(f"  ... and {len(self.replicated) - 8} more replicated weight(s)")
+        if not self.replicated:
+            lines.append("  every 2-D weight is split (norms, biases of row-parallel linears and buffers stay whole)")
         return "\n".join(lines)
 
 
@@ -160,8 +162,8 @@ def _head_counts_ok(region: Iterable[torch.fx.Node], tp: int) -> str:
         last, hd = src[-1], out[-1]
         if not isinstance(last, int) or not isinstance(hd, int) or hd <= 0 or last % hd:
             continue
-        heads = last // hd
-        if heads > 1 and heads % tp:
+        heads = last // hd  # one key/value head (GQA) is not split either: Megatron replicates it
+        if heads % tp:
             return f"{heads} heads in {n.name} ({list(src)} -> {list(out)}) is not a multiple of tp={tp}"
     return ""
 

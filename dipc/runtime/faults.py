@@ -124,9 +124,11 @@ class FaultExchangeMixin:
             text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
         text = broadcast_json(text, origin, self.plan_group, self.device, self.timeout,
                               what=f"{self._who(origin)}'s failure report of step {self.step_index}")
-        others = [self._who(r).removeprefix("rank ") for r in range(dist.get_world_size(self.plan_group))
-                  if bits >> r & 1 and r != origin]
-        more = f" (ranks {others} failed too)" if others else ""
+        size = dist.get_world_size(self.plan_group)
+        others = [self._who(r) for r in range(size) if first >> r & 1 and r != origin]
+        waited = [self._who(r) for r in range(size) if bits >> r & 1 and not first >> r & 1 and r != origin]
+        more = (f" ({', '.join(others)} failed too)" if others else "") + \
+            (f" ({', '.join(waited)} then failed waiting on it in a collective)" if waited else "")
         state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
                  "such a pair)" if broken else "the process group can run further steps")
         raise StepFailed(f"step {self.step_index}: {self._who(origin)} failed in {text['action']}: {text['error']}"
@@ -141,5 +143,8 @@ class FaultExchangeMixin:
         """A rank of the plan group by its pipeline rank (and tensor-parallel rank, under tensor parallelism: the
         plan group is ordered by (pipeline rank, tensor-parallel rank))."""
         T = self._tp_size()
-        return f"rank {plan_rank}" if T == 1 else f"rank {plan_rank // T} (tensor-parallel rank {plan_rank % T})"
+        if T == 1:
+            return f"rank {plan_rank}"
+        glob = dist.get_global_rank(self.plan_group, plan_rank)
+        return f"rank {plan_rank // T} (tensor-parallel rank {plan_rank % T}, global rank {glob})"
 

@@ -52,6 +52,38 @@ def _supported(op) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
 
 
+#: indexing ops whose result's shape depends on a boolean mask's values: DTensor's propagation cannot size them
+_MASKED = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_", "aten::masked_select"}
+
+
+#: composite ops whose backward is that of the op they decompose into
+_DECOMPOSES_TO = {"aten::group_norm": "native_group_norm", "aten::layer_norm": "native_layer_norm",
+                  "aten::batch_norm": "native_batch_norm", "aten::avg_pool1d": "avg_pool2d"}
+
+
+def _runs_whole(n: torch.fx.Node) -> bool:
+    """Whether graph node ``n`` (an ATen op) runs on whole tensors: DTensor has no strategy for it; it indexes by a
+    boolean mask (a data-dependent size); or its backward op (``<name>_backward``, ``<name>_backward_data``) has
+    none (run whole, the op's backward runs on local tensors too: e.g. ``avg_pool2d``)."""
+    op = n.target
+    if not _supported(op):
+        return True
+    name = op._schema.name
+    if name in _MASKED:
+        idx = n.args[1] if len(n.args) > 1 else ()
+        vals = [getattr(i, "meta", {}).get("val") for i in (idx if isinstance(idx, (list, tuple)) else [idx])]
+        if any(isinstance(v, torch.Tensor) and v.dtype == torch.bool for v in vals):
+            return True
+    base = _DECOMPOSES_TO.get(name, name.split("::")[-1])
+    for suffix in ("_backward", "_backward_data"):
+        packet = getattr(torch.ops.aten, base + suffix, None)
+        if packet is not None:
+            ops = [getattr(packet, o) for o in packet.overloads()]
+            if ops and not any(_supported(o) for o in ops):
+                return True
+    return False
+
+
 class _Whole:
     """An op DTensor has no strategy for, run on whole tensors: DTensor arguments are gathered
     (``full_tensor()``, differentiable), the op runs on local tensors, and its tensor results become ``Replicate()``
@@ -181,7 +213,7 @@ class TensorParallel:
                         w = m.graph.call_function(_whole, (n,))
                     n.replace_all_uses_with(w, delete_user_cb=lambda u: u is not w)
                     changed = True
-                elif isinstance(n.target, torch._ops.OpOverload) and not _supported(n.target):
+                elif isinstance(n.target, torch._ops.OpOverload) and _runs_whole(n):
                     n.target = _whole_op(n.target)
                     changed = True
             if changed:

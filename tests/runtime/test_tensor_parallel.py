@@ -205,6 +205,7 @@ def _vlm(rank, world, out_dir):
         assert torch.equal(back[n], halved[n]), f"rank {rank}: {n} loaded back at (pp 2, tp 2)"
     dp_pipe.close()
     pipe.close()
+    _odd_ops(rank, mesh)  # ops DTensor has no strategy for (forward or backward) run on whole tensors
     return worst
 
 
@@ -254,6 +255,69 @@ def _mesh3(rank, world, out_dir):
             torch.testing.assert_close(_full(p), params[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
     pipe.close()
     return worst
+
+
+def _odd_model():
+    """A tiny language model whose blocks hold ops DTensor cannot split: an ``avg_pool2d`` over the token grid
+    (Gemma 3's projector: DTensor has its forward strategy, not its backward's) and boolean-mask indexing (Idefics3
+    and many HF VLMs: a data-dependent size DTensor's propagation cannot compute)."""
+    import torch
+    import torch.nn.functional as F
+
+    class Block(torch.nn.Module):
+        def __init__(self, dim):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+        def forward(self, h, ids):
+            h = h + self.down(F.gelu(self.up(h)))
+            B, S, D = h.shape
+            g = F.avg_pool2d(h.transpose(1, 2).reshape(B, D, 2, S // 2), kernel_size=(1, 2), stride=(1, 2))
+            h = h + g.flatten(2).transpose(1, 2).repeat_interleave(2, dim=1)
+            m = ids > 32
+            return h.index_put((m,), h[m] * 2.0)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, vocab=64, dim=16, n=4):
+            super().__init__()
+            self.embed = torch.nn.Embedding(vocab, dim)
+            self.blocks = torch.nn.ModuleList([Block(dim) for _ in range(n)])
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, input_ids, labels):
+            h = self.embed(input_ids)
+            for b in self.blocks:
+                h = b(h, input_ids)
+            return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+    return Tiny()
+
+
+def _odd_ops(rank, mesh):
+    """:func:`_odd_model` at (pp 2, tp 2): loss and every gradient equal the unsplit model's."""
+    import copy
+
+    import torch
+
+    import dipc
+    from dipc.testing import unsplit_loss
+
+    torch.manual_seed(0)
+    model = _odd_model()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    b = {"input_ids": torch.randint(0, 64, (4, 8), generator=g), "labels": torch.randint(0, 64, (4, 8), generator=g)}
+    compiled = dipc.compile(model, b, 2, tp_size=2, progress=False)
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120)
+    loss = pipe.step(b)
+    want = unsplit_loss(ref, b)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(_full(p.grad), params[n].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: gradient of {n}: {m}")
+    pipe.close()
 
 
 def _llava(rank, world, out_dir):
@@ -317,7 +381,7 @@ def _fault(rank, world, out_dir):
         Executor._forward = real
     took = time.perf_counter() - t
     e = err.value
-    assert "rank 0 (tensor-parallel rank 1) failed in" in str(e) and "injected forward failure" in str(e), str(e)
+    assert "rank 0 (tensor-parallel rank 1, global rank 1) failed in" in str(e) and "injected forward failure" in str(e), str(e)
     assert e.origin == 0 and not e.usable, (e.origin, e.usable)
     for n, p in pipe.named_parameters():
         if n in before:
