@@ -80,7 +80,8 @@ class GradBuckets:
         b = self.buckets[len(self.works)]
         if self.tp is not None:
             self.tp.settle(b)
-        flat = torch.cat([local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in b])
+        flat = torch.cat([local_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in b])
         if self.scale != 1.0:
             flat.mul_(self.scale)
         self.flats.append(flat)
@@ -179,8 +180,8 @@ class DataParallelMixin:
         src = dist.get_global_rank(self.dp_group, 0)
         with torch.no_grad():
             for n, t in self.state_dict_names().items():
-                wait_work(dist.broadcast(local_tensor(t.data), src=src, group=self.dp_group, async_op=True), self.timeout,
-                      f"the data-parallel broadcast of {n}")
+                wait_work(dist.broadcast(local_tensor(t.data), src=src, group=self.dp_group, async_op=True),
+                          self.timeout, f"the data-parallel broadcast of {n}")
 
     def _dp_count(self, batch) -> float:
         """This replica's share of the concatenated batch's loss normaliser (labelled tokens, samples, ...)."""

@@ -10,8 +10,9 @@ partial sums are all-reduced where the residual stream reads them), and its outp
 pipeline's messages carry what Megatron's do without sequence parallelism, the whole activation, to the rank of the
 same tensor-parallel index in the next stage.
 
-Two things DTensor does not do alone, done here on the chunk's graph once: an op with no sharding strategy (e.g.
-``masked_scatter``, ``_is_all_true``) runs on whole tensors (its DTensor inputs gathered, its outputs replicated), and the
+Two things DTensor does not do alone, done here on the chunk's graph once: an op with no sharding strategy
+(``masked_scatter``, ``_is_all_true``), one whose backward has none (``avg_pool2d``) or one indexing by a boolean
+mask (a data-dependent size) runs on whole tensors (its DTensor inputs gathered, its outputs replicated), and the
 output of a vocabulary-parallel embedding is made whole right after the lookup (as Megatron all-reduces it there;
 DTensor's masked partial value cannot be read twice).  On CPU, attention runs torch's math kernel (DTensor has no
 strategy for the CPU flash kernel).  Parameter gradients are settled to their parameter's placement after the step's
