@@ -327,6 +327,17 @@ def build_chunk_modules(graph: torch.fx.Graph, state_targets: Mapping[str, tuple
 EXTRA_PREFIX = "output:"
 
 
+def rewrite_graphs(gm: torch.fx.GraphModule, edit) -> None:
+    """Edit ``gm``'s graph and its nested graphs (``torch.cond`` branches, checkpointed regions) in place:
+    ``edit(graph_module)`` returns whether it changed that graph, which is then recompiled; the modules derived from
+    ``gm``'s graph (:func:`with_outputs`, :func:`recompute_prefix`, cached on it by the executor) are dropped."""
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule) and edit(m):
+            m.recompile()
+    gm.__dict__.pop("_dipc_recompute_prefix", None)
+    gm.__dict__.pop("_dipc_with_outputs", None)
+
+
 def with_outputs(gm: torch.fx.GraphModule, nodes: Mapping[str, str]) -> torch.fx.GraphModule:
     """A copy of the chunk module ``gm`` (sharing its parameters and submodules) that also returns the values of
     ``nodes`` (output key -> node name in ``gm``'s graph), each under ``EXTRA_PREFIX + key``.

@@ -47,6 +47,19 @@ def vlm_batches_4ranks():
             vlm_batch([1, 0, 0, 0, 2, 2, 1, 1], 14, 3)]
 
 
+def replica_steps():
+    """Two steps of two data-parallel replicas' batches, ``[(replica 0's, replica 1's), ...]``: text-only
+    microbatches first in one replica and last in the other, a replica without any image in the second step."""
+    return [(vlm_batch([0, 0, 2, 1], 16, 10), vlm_batch([1, 2, 0, 0], 16, 11)),
+            (vlm_batch([0, 3, 0, 1], 14, 20), vlm_batch([0, 0, 0, 0], 14, 21))]
+
+
+def adamw_pair(pipe, ref):
+    """The same AdamW (lr 1e-2, eps 1e-3) over a pipeline's parameters and over the unsplit reference's."""
+    return (torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3))
+
+
 def t2v():
     return ReferenceT2V(T2VConfig.tiny())
 

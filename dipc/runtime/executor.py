@@ -11,7 +11,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, with_outputs
+from ..codegen.stage import EXTRA_PREFIX, recompute_prefix, rewrite_graphs, with_outputs
 from ..plan import RECVS, SENDS, Plan, PlanError, offloads, recompute_layout, stage_key
 from ..validation import validate
 from ..stages import Stage
@@ -469,19 +469,17 @@ def _on_device(gm: torch.fx.GraphModule, device: torch.device) -> None:
     def fix(a):
         return device if isinstance(a, torch.device) and a.type == "meta" else a
 
-    for m in gm.modules():
-        if isinstance(m, torch.fx.GraphModule):
-            changed = False
-            for n in m.graph.nodes:
-                args, kwargs = tree_map(fix, n.args), tree_map(fix, n.kwargs)
-                if args != n.args or kwargs != n.kwargs:
-                    n.args, n.kwargs = args, kwargs
-                    changed = True
-            if changed:
-                m.recompile()
+    def edit(m: torch.fx.GraphModule) -> bool:
+        changed = False
+        for n in m.graph.nodes:
+            args, kwargs = tree_map(fix, n.args), tree_map(fix, n.kwargs)
+            if args != n.args or kwargs != n.kwargs:
+                n.args, n.kwargs = args, kwargs
+                changed = True
+        return changed
+
+    rewrite_graphs(gm, edit)
     gm.__dict__["_dipc_device"] = device
-    gm.__dict__.pop("_dipc_recompute_prefix", None)  # built from the old graph
-    gm.__dict__.pop("_dipc_with_outputs", None)
 
 
 def zero_unreached_grads(compiled, w: StepWorkload, ranks) -> None:

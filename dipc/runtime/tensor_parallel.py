@@ -200,11 +200,12 @@ class TensorParallel:
     def prepare(self, gm: torch.fx.GraphModule) -> None:
         """Rewrite ``gm``'s graph once (and its nested graphs): ops DTensor cannot split run whole (:class:`_Whole`);
         a vocabulary-parallel embedding's output is made whole right after it."""
+        from ..codegen.stage import rewrite_graphs
+
         if gm.__dict__.get("_dipc_tp"):
             return
-        for m in gm.modules():
-            if not isinstance(m, torch.fx.GraphModule):
-                continue
+
+        def edit(m: torch.fx.GraphModule) -> bool:
             changed = False
             for n in list(m.graph.nodes):
                 if n.op != "call_function":
@@ -217,11 +218,10 @@ class TensorParallel:
                 elif isinstance(n.target, torch._ops.OpOverload) and _runs_whole(n):
                     n.target = _whole_op(n.target)
                     changed = True
-            if changed:
-                m.recompile()
+            return changed
+
+        rewrite_graphs(gm, edit)
         gm.__dict__["_dipc_tp"] = True
-        gm.__dict__.pop("_dipc_recompute_prefix", None)  # built from the old graph
-        gm.__dict__.pop("_dipc_with_outputs", None)
 
     def inputs(self, kwargs: Mapping) -> dict:
         """A chunk's inputs as the group's DTensors: floating-point tensors become ``Replicate()`` (differentiable:

@@ -229,10 +229,8 @@ def _mesh3(rank, world, out_dir):
     compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2, sub_microbatch_size={"vision": 2},
                             progress=False)
     pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200, bucket_mb=0.01)  # several buckets
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2, eps=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-3)
-    steps = [(pc.vlm_batch([0, 0, 2, 1], 16, 10), pc.vlm_batch([1, 2, 0, 0], 16, 11)),
-             (pc.vlm_batch([0, 3, 0, 1], 14, 20), pc.vlm_batch([0, 0, 0, 0], 14, 21))]
+    opt, ref_opt = pc.adamw_pair(pipe, ref)
+    steps = pc.replica_steps()
     params = dict(ref.named_parameters())
     worst = 0.0
     for mine, theirs in steps:
