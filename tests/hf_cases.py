@@ -177,4 +177,4 @@ CASES = {
 }
 
 #: the cases only the full suite trains (DIPC_FULL=1): the default suite's 10 minutes hold the others
-SLOW = ("gemma3", "mllama", "idefics3", "sd3", "qwen2_5_vl", "llava_next", "paligemma")
+SLOW = ("gemma3", "mllama", "idefics3", "sd3", "qwen2_5_vl", "llava_next", "paligemma", "flux")

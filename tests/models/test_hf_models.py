@@ -256,9 +256,10 @@ def _check(names):
 @pytest.mark.timeout(900)
 def test_hf_models_match_the_unsplit_model_on_2_ranks():
     """The default suite's share: LLaVA-OneVision (per-sample image counts that decide each image's tiles), LLaVA
-    (re-captured image counts), Qwen2-VL (patch-packed images and videos, one capture per set of kinds; Qwen2.5-VL
-    is checked locally here and trained in the full suite) and the Flux transformer (its state dict loaded back
-    into the unsplit model)."""
+    (re-captured image counts) and Qwen2-VL (patch-packed images and videos, one capture per set of kinds;
+    Qwen2.5-VL is checked locally here and trained in the full suite).  Diffusion in the default suite is the
+    reference T2V's (tests/runtime/test_pipeline.py); the Flux transformer trains in the full suite (the default
+    suite's 10 minutes)."""
     import hf_cases
     _check([n for n in hf_cases.CASES if n not in hf_cases.SLOW])
 
@@ -267,7 +268,8 @@ def test_hf_models_match_the_unsplit_model_on_2_ranks():
 @pytest.mark.timeout(900)
 def test_more_hf_models_match_the_unsplit_model_on_2_ranks():
     """The full suite's rest (DIPC_FULL=1): Gemma 3, Mllama's cross-attention, Idefics3's per-sample padded images,
-    SD3, Qwen2.5-VL, PaliGemma and LLaVA-NeXT (per-image token counts)."""
+    SD3, Qwen2.5-VL, PaliGemma, LLaVA-NeXT (per-image token counts) and Flux (its state dict loaded back into the
+    unsplit model)."""
     import hf_cases
     _check(list(hf_cases.SLOW))
 
