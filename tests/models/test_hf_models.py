@@ -286,6 +286,7 @@ def _record(rows):
         json.dump(old, f, indent=1, sort_keys=True)
 
 
+@pytest.mark.slow  # 12 s: the default suite's 10 minutes
 def test_tokens_per_image_are_read_from_each_familys_config():
     """Issue 35 §4: Idefics2's perceiver resamples every image to ``resampler_n_latents`` tokens (8 here, where the
     patch grid would say 16), and the pipeline of such a model equals the unsplit one; InternVL's ``[h, w]``-valued

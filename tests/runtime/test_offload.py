@@ -65,7 +65,7 @@ def test_offload_on_the_reference_vlm():
 
 
 @pytest.mark.hf
-@pytest.mark.slow  # the default suite's Hugging Face case is LLaVA's (above)
+@pytest.mark.slow
 def test_offload_on_hugging_face_qwen2_vl():
     """Qwen2-VL (patch-packed images and a video, sdpa vision attention): every pair offloads its whole chunk;
     loss, gradients and bytes as above (its per-layer combinations run too, but their host figure on the text
@@ -145,6 +145,7 @@ def test_the_planner_offloads_under_a_limit_and_within_host_memory():
 
 
 @pytest.mark.hf
+@pytest.mark.slow  # the default suite's 10 minutes: offload runs on the reference VLM there, on HF in the full suite
 def test_offload_on_hugging_face_llava():
     """LLaVA (CLIP tower, Llama backbone), text-only microbatch first: every pair offloads its whole chunk."""
     torch.manual_seed(0)
