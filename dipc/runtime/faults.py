@@ -93,7 +93,7 @@ class FaultExchangeMixin:
         flag = torch.stack([torch.tensor(float(2 ** me) if own else 0.0, dtype=torch.float64),
                             torch.tensor(1.0 if broken else 0.0, dtype=torch.float64),
                             # each pipeline rank's loss share once: its tensor-parallel rank 0's
-                            local_loss.to("cpu", torch.float64) * (me % self._tp_size() == 0),
+                            local_loss.to("cpu", torch.float64) * (self._tp_rank() == 0),
                             # the ranks whose own code failed (not a collective a failed peer left)
                             torch.tensor(float(2 ** me) if own and not _collective_error(failure) else 0.0,
                                          dtype=torch.float64)]).to(self.device)
@@ -121,7 +121,8 @@ class FaultExchangeMixin:
         text = None
         if me == origin:
             a = ex.failure[0] if ex.failure else "the step's last sends"
-            text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}"}
+            text = {"action": str(a), "error": f"{type(failure).__name__}: {failure}", "rank": self.rank,
+                    "who": self._who(me)}
         text = broadcast_json(text, origin, self.plan_group, self.device, self.timeout,
                               what=f"{self._who(origin)}'s failure report of step {self.step_index}")
         size = dist.get_world_size(self.plan_group)
@@ -131,20 +132,21 @@ class FaultExchangeMixin:
             (f" ({', '.join(waited)} then failed waiting on it in a collective)" if waited else "")
         state = ("the process group cannot run further steps (a wait timed out or a connection broke; gloo closes "
                  "such a pair)" if broken else "the process group can run further steps")
-        raise StepFailed(f"step {self.step_index}: {self._who(origin)} failed in {text['action']}: {text['error']}"
+        raise StepFailed(f"step {self.step_index}: {text['who']} failed in {text['action']}: {text['error']}"
                          f"{more}; every rank stopped the step and its .grad is as before it; {state}",
-                         origin=origin // self._tp_size(), action=text["action"], step=self.step_index,
+                         origin=text["rank"], action=text["action"], step=self.step_index,
                          usable=not broken) from failure
 
-    def _tp_size(self) -> int:
-        return self.tp.size if self.tp is not None else 1
+    def _tp_rank(self) -> int:
+        return self.tp.mesh.get_local_rank() if self.tp is not None else 0
 
     def _who(self, plan_rank: int) -> str:
-        """A rank of the plan group by its pipeline rank (and tensor-parallel rank, under tensor parallelism: the
-        plan group is ordered by (pipeline rank, tensor-parallel rank))."""
-        T = self._tp_size()
-        if T == 1:
+        """A rank of the plan group: its pipeline rank (and under tensor parallelism, for this rank, its
+        tensor-parallel rank; for any rank its global rank)."""
+        if self.tp is None:
             return f"rank {plan_rank}"
         glob = dist.get_global_rank(self.plan_group, plan_rank)
-        return f"rank {plan_rank // T} (tensor-parallel rank {plan_rank % T}, global rank {glob})"
+        if plan_rank == self.plan_rank:
+            return f"rank {self.rank} (tensor-parallel rank {self._tp_rank()}, global rank {glob})"
+        return f"global rank {glob}"
 
