@@ -136,7 +136,6 @@ class TensorParallel:
     def __init__(self, mesh, plan, device: torch.device):
         self.mesh, self.plan, self.device = mesh, plan, device
         self.size = mesh.size()
-        self.group = mesh.get_group()
 
     # -- parameters
     def placements(self, name: str, ndim: int):
