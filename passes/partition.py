@@ -131,7 +131,7 @@ def _weight_ok(weights: Sequence[float] | None, weight_cap: float | None):
     wp = [0.0]
     for w in weights:
         wp.append(wp[-1] + w)
-    cap = weight_cap * (1 + 1e-12)
+    cap = weight_cap + 1e-12 * (abs(weight_cap) + wp[-1])  # prefix sums round: allow 1e-12 of cap + total
     return lambda j, i: wp[i] - wp[j] <= cap
 
 
@@ -145,7 +145,8 @@ def node_layer(node: torch.fx.Node, block_name: str) -> str:
 def balanced_cuts(costs: list[float], n_parts: int, weights: Sequence[float] | None = None,
                   weight_cap: float | None = None) -> list[tuple[int, int]]:
     """Split ``costs`` (one per block) into ``n_parts`` contiguous non-empty ranges minimising the largest sum;
-    with ``weights`` (one per block, e.g. parameter bytes) and ``weight_cap``, each range weighs at most the cap.
+    with ``weights`` (one per block, e.g. parameter bytes) and ``weight_cap``, each range weighs at most the cap
+    (up to rounding: 1e-12 of the cap plus the total weight).
 
     Returns ``[(lo, hi), ...]`` half-open block ranges covering every block exactly once.
 
