@@ -21,6 +21,8 @@ import torch.fx
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
+from dipc.repeated import reusing_blocks, splice
+
 __all__ = ["Capture", "capture", "CaptureError", "is_meta"]
 
 
@@ -70,6 +72,8 @@ class Capture:
     outputs: dict = dataclasses.field(default_factory=dict)
     #: output keys the model returns that the loss does not need (pruned from the graph; not available)
     dropped_outputs: tuple = ()
+    #: repeated layers whose ops were copied from their first layer's trace instead of traced (:mod:`dipc.repeated`)
+    reused_layers: int = 0
 
     def fits(self, data: Mapping[str, Any]) -> bool:
         """True when ``data`` (a batch, microbatch or sub-microbatch) has this trace's keys and, in every dim
@@ -180,7 +184,7 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     with warnings.catch_warnings(), _checkpoints_traced_through(), _named_kwargs(model, batch, forward):
         warnings.simplefilter("ignore")
         try:
-            ep = export(model, (), dict(batch), strict=False, dynamic_shapes={k: export_dyn[k] for k in batch})
+            ep, reused = _export_reusing_blocks(model, batch, {k: export_dyn[k] for k in batch})
         except Exception as e:
             shapes = {k: list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__ for k, v in batch.items()}
             hint = ("; the model returns a KV cache: set model.config.use_cache = False for training"
@@ -283,7 +287,21 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
                    specialized=specialized, signature=signature, constants=dict(ep.constants),
                    keys=frozenset(batch), functionalized=functionalized, value_inputs=value_inputs,
                    values=python_values(batch), ranges=_ranges(ep), outputs=kept,
-                   dropped_outputs=tuple(k for k in named_outputs if k not in kept))
+                   dropped_outputs=tuple(k for k in named_outputs if k not in kept), reused_layers=reused)
+
+
+def _export_reusing_blocks(model: torch.nn.Module, batch: Mapping[str, Any], dynamic: dict):
+    """``(torch.export.export(model, (), batch, strict=False), layers reused)`` with each repeated layer traced
+    once (:mod:`dipc.repeated`); where the reuse cannot complete the graph, or its trace fails, the model is
+    exported again with every layer traced (0 reused)."""
+    with reusing_blocks(model) as record:
+        if record is not None:
+            try:
+                ep = export(model, (), dict(batch), strict=False, dynamic_shapes=dynamic)
+                return ep, splice(ep, record)
+            except Exception:  # noqa: BLE001 (the plain trace below raises what the model really does)
+                pass
+    return export(model, (), dict(batch), strict=False, dynamic_shapes=dynamic), 0
 
 
 def _ranges(ep) -> dict:
