@@ -6,7 +6,8 @@ microbatches among them, run twice through
 every rank of a 2-rank pipeline in this process (:func:`dipc.runtime.run_local`): the captures made, the seconds
 spent in them (``torch.export``), and the mean step time of the first (cold) pass and of the second (warm) pass.
 Then ``dipc.compile`` of the paper's VLM-S, VLM-M, VLM-L and T2V-S on the meta device (bf16, the paper's PP/TP, the
-H800 profile), seconds.
+H800 profile), seconds, with each repeated layer traced once (:mod:`dipc.repeated`) and, for comparison, with every
+layer traced.
 
     python bench/capture.py [--batches 20] [--models llava,llava_onevision,qwen2_vl,qwen2_5_vl] [--paper vlm_s,...] [--out F]
 
@@ -99,12 +100,19 @@ def run_stream(name: str, n: int) -> dict:
             "recipe": getattr(compiled, "use_recipe", False)}
 
 
-def paper_compile(name: str) -> dict:
-    """``compiled.compile_seconds`` of the paper setup ``name`` on meta (phase -> seconds, ``"total"``)."""
+def paper_compile(name: str, reuse: bool = True) -> dict:
+    """``compiled.compile_seconds`` of the paper setup ``name`` on meta (phase -> seconds, ``"total"``), and
+    ``"reused"``: the layers whose ops were copied from their first layer's trace (:mod:`dipc.repeated`); with
+    ``reuse=False`` every layer is traced (``DIPC_REUSE_BLOCKS=0``)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import paper
     label = {"vlm_s": "VLM-S", "vlm_m": "VLM-M", "vlm_l": "VLM-L", "t2v_s": "T2V-S"}[name]
-    return paper.build(label)[0].compile_seconds
+    os.environ["DIPC_REUSE_BLOCKS"] = "1" if reuse else "0"
+    try:
+        compiled = paper.build(label)[0]
+    finally:
+        os.environ.pop("DIPC_REUSE_BLOCKS")
+    return {**compiled.compile_seconds, "reused": compiled.programs[0].capture.reused_layers}
 
 
 def main() -> None:
@@ -130,12 +138,14 @@ def main() -> None:
             lines.append(f"| {name}{how} | runs | {r['captures']} | {r['capture_s']:.1f} | "
                          f"{r['compile_s']:.1f} | {r['cold_step_s']:.3f} | {r['warm_step_s']:.3f} | {ratio:.2f} |")
         print(lines[-1], flush=True)
-    lines += ["", "| paper setup on meta | dipc.compile s | of which capture (torch.export) | passes | codegen |",
-              "| --- | --- | --- | --- | --- |"]
+    lines += ["", "| paper setup on meta | dipc.compile s | of which capture (torch.export) | passes | codegen | "
+              "layers copied, not traced | dipc.compile s tracing every layer |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name in [m for m in args.paper.split(",") if m]:
-        t = paper_compile(name)
+        t, plain = paper_compile(name), paper_compile(name, reuse=False)
         lines.append(f"| {name} | {t['total']:.1f} | {t.get('capture (torch.export)', 0.0):.1f} | "
-                     f"{t.get('passes (modality, cost, partition)', 0.0):.1f} | {t.get('codegen (chunk modules)', 0.0):.1f} |")
+                     f"{t.get('passes (modality, cost, partition)', 0.0):.1f} | {t.get('codegen (chunk modules)', 0.0):.1f} "
+                     f"| {t['reused']} | {plain['total']:.1f} |")
         print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)

@@ -16,7 +16,7 @@ A layer is reused only when nothing tells it apart from the first one of its gro
   modules and tensors by their path in it, any other module, tensor or object identical), except a layer-index
   attribute (``layer_idx`` ...) that its classes' code reads only for the KV cache;
 - inputs with the same pytree structure, the same non-tensor values and tensors of the same dtype, device and
-  (symbolic) shape and stride;
+  (symbolic) shape and stride, under the same grad, inference and autocast modes;
 - its traced ops make no unbacked size (``.item()``, ``nonzero``) and its list sits in no other reused layer;
 - nothing outside the first layer reads a tensor inside it but through its outputs (a forward hook on a sub-module
   recording attention weights would see only the first layer's).
@@ -181,6 +181,7 @@ class _Group:
     in_leaves: list = dataclasses.field(default_factory=list)  # non-tensor leaves (tensors: their metadata)
     out_spec: Any = None
     out_leaves: list = dataclasses.field(default_factory=list)
+    modes: tuple = ()  # grad / inference / autocast modes of the template call
 
 
 @dataclasses.dataclass
@@ -288,7 +289,7 @@ def _wrapped(layer, name, group: _Group, forward, record: Reuse):
         if group.template is None:
             return _run_template(group, name, forward, leaves, spec, record)
         described = [_tensor_meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        if spec != group.in_spec or len(described) != len(group.in_leaves) or not all(
+        if _modes() != group.modes or spec != group.in_spec or len(described) != len(group.in_leaves) or not all(
                 _same_leaf(a, b) for a, b in zip(group.in_leaves, described)):
             return forward(*args, **kwargs)
         call = next(_counter)
@@ -300,9 +301,16 @@ def _wrapped(layer, name, group: _Group, forward, record: Reuse):
     return run
 
 
+def _modes() -> tuple:
+    """The modes a layer's trace depends on beyond its inputs: grad (a layer under ``torch.no_grad()`` is traced
+    inside a region of its own), inference mode, and autocast per device type."""
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+
+
 def _run_template(group: _Group, name: str, forward, leaves, spec, record: Reuse):
     key = next(_counter)
-    group.template, group.key, group.in_spec = name, key, spec
+    group.template, group.key, group.in_spec, group.modes = name, key, spec, _modes()
     group.in_leaves = [_tensor_meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
     marked = []
     j = 0
@@ -440,6 +448,11 @@ def splice(ep, record: Reuse) -> int:
             m.replace_all_uses_with(m.args[0])
             renamed[m.name] = m.args[0].name
             graph.erase_node(m)
+    ours = (torch.ops.dipc.reused_block.default, torch.ops.dipc.block_input.default,
+            torch.ops.dipc.block_output.default)
+    for gm in ep.graph_module.modules():  # a call inside a region of its own (a submodule graph) was not replaced
+        if isinstance(gm, torch.fx.GraphModule) and any(n.target in ours for n in gm.graph.nodes):
+            raise NoReuse("a repeated layer was called inside a region traced as a submodule")
     for spec in ep.graph_signature.output_specs:
         name = getattr(spec.arg, "name", None)
         while name in renamed:

@@ -104,13 +104,30 @@ def test_each_layer_reads_its_own_parameters_and_inputs():
         _assert_equals_eager(c, model, b)
 
 
-@pytest.mark.parametrize("case", ["layer index read in forward", "attribute differs", "hook reads inside"])
+class NoGradStack(Stack):
+    """Layer 2 runs under ``torch.no_grad()`` (its parameters get no gradient, as in eager)."""
+
+    def forward(self, x, target):
+        gate = torch.sigmoid(x)
+        for i, layer in enumerate(self.layers):
+            if i == 2:
+                with torch.no_grad():
+                    x = x + layer(x, gate)
+            else:
+                x = layer(x, gate)
+        return torch.nn.functional.mse_loss(self.head(x).squeeze(-1), target)
+
+
+@pytest.mark.parametrize("case", ["layer index read in forward", "attribute differs", "hook reads inside",
+                                  "called under no_grad"])
 def test_layers_that_differ_are_traced(case):
-    """A layer that reads its index, has another attribute value, or has a hook recording a value inside it (read
-    by the loss) is never a copy of another: the graph still equals the model."""
+    """A layer that reads its index, has another attribute value, has a hook recording a value inside it (read by
+    the loss), or runs under another grad mode is never a copy of another: the graph still equals the model."""
     torch.manual_seed(0)
     recorded = []
-    if case == "layer index read in forward":
+    if case == "called under no_grad":
+        model, reused = NoGradStack(), 3
+    elif case == "layer index read in forward":
         model, reused = Stack(block=IndexedBlock), 0
     elif case == "attribute differs":  # layers 0, 2, 4 share scale 1.0; 1 and 3 share 2.0
         model, reused = Stack(scales=[1.0, 2.0, 1.0, 2.0, 1.0]), 3
