@@ -8,20 +8,30 @@ Why: torch.export's non-strict trace costs about 10 ms per ATen op with symbolic
 *inputs* still come from the model's own loop, so a parent that feeds some layers another tensor (Qwen2.5-VL's
 full-attention layers read ``cu_seqlens`` where the others read the window's) gets the right graph.
 
-A layer is reused only when nothing tells it apart from the first one of its group:
+A layer is reused only when its classes are trusted (every module class in it from torch.nn, transformers,
+diffusers, timm or dipc.models: forwards that are pure functions of the layer's attributes, parameters and inputs,
+the contract activation checkpointing relies on; ``DIPC_REUSE_BLOCKS=all`` extends this to any class, its author
+asserting that no forward reads global or class state, draws Python random numbers or has a side effect), and
+nothing tells it apart from the first one of its group:
 
-- the same class tree, parameter and buffer names, shapes, dtypes and ``requires_grad``; no parameter shared with
-  another layer of its list;
-- the same attributes (primitives, containers, functions and plain objects equal by content, the layer's own
-  modules and tensors by their path in it, any other module, tensor or object identical), except a layer-index
-  attribute (``layer_idx`` ...) that its classes' code reads only for the KV cache;
-- inputs with the same pytree structure, the same non-tensor values and tensors of the same dtype, device and
-  (symbolic) shape and stride, under the same grad, inference and autocast modes;
+- the same class tree, train / eval mode, parameter and buffer names, shapes, dtypes and ``requires_grad``; no
+  parameter or buffer with another name in the model (tied);
+- the same attributes and hooks, at the call (a parent may set one between layers): primitives, containers,
+  functions (code and closure), partials and plain objects equal by content, the layer's own modules and tensors by
+  their path in it, any other tensor or object identical; except a layer-index attribute (``layer_idx`` ...) that
+  no method of the layer's classes mentions but for the KV cache;
+- inputs with the same pytree structure, the same non-tensor values (objects by content) and tensors of the same
+  dtype, device, (symbolic) shape, stride and ``requires_grad``, under the same grad, inference and autocast modes;
+  no global module hook;
 - its traced ops make no unbacked size (``.item()``, ``nonzero``) and its list sits in no other reused layer;
-- nothing outside the first layer reads a tensor inside it but through its outputs (a forward hook on a sub-module
-  recording attention weights would see only the first layer's).
+- nothing outside the first layer reads a tensor inside it, or its inputs as it saw them, but through its outputs
+  (a hook recording attention weights, a layer handing its input to a collector would do so for one layer only).
 
-Anything else is traced as usual.  ``DIPC_REUSE_BLOCKS=0`` turns the reuse off (every layer traced).
+Anything else is traced as usual.  ``DIPC_REUSE_BLOCKS=0`` turns the reuse off (every layer traced).  A helper's
+hostile sweep (per-layer globals, class attributes, hooks with per-layer closures, partials, eval layers, tied lists,
+collectors, ``requires_grad`` branches, layer-index reads through ``getattr``) shaped these rules; the purity of an
+untrusted class's forward (globals, Python random, counters) cannot be seen from a trace and is the opt-in's
+contract.
 
 Pure tracing support for :mod:`dipc.capture`: no process group, no I/O.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import itertools
 import operator
@@ -69,6 +80,14 @@ def _(x, template, index):
     return x.new_empty_strided(x.size(), x.stride())
 
 
+def _identity_backward(ctx, grad):
+    return grad, None, None
+
+
+# the markers pass gradients through, so their outputs require grad as their inputs do (a layer may branch on it)
+_block_input.register_autograd(_identity_backward)
+_block_output.register_autograd(_identity_backward)
+
 _OUTPUTS: dict[int, list] = {}  # template key -> [(size, stride, dtype, device)] of its tensor outputs
 
 
@@ -81,7 +100,7 @@ def _reused_block(inputs: list[torch.Tensor], template: int, call: int) -> list[
 @_reused_block.register_fake
 def _(inputs, template, call):
     return [torch.empty_strided(size, stride, dtype=dtype, device=device)
-            for size, stride, dtype, device in _OUTPUTS[template]]
+            for size, stride, dtype, device, _ in _OUTPUTS[template]]
 
 
 _INDEX_NAMES = ("layer_idx", "layer_id", "layer_index", "layer_number", "layer_num", "block_idx")
@@ -89,28 +108,44 @@ _MODULE_KEYS = frozenset(vars(torch.nn.Module()))
 _counter = itertools.count()
 
 
-def _index_only_for_cache(cls: type, name: str, _memo: dict = {}) -> bool:  # noqa: B006 (a per-process memo)
-    """True when every method of ``cls`` (but ``__init__``) that reads ``self.<name>`` does so on a line about the
-    KV cache: the layer index then changes nothing in a training trace."""
-    key = (cls, name)
+def _index_only_for_cache(classes: tuple, name: str, _memo: dict = {}) -> bool:  # noqa: B006 (a memo)
+    """True when no method (but ``__init__``) of any of ``classes`` (every class of a layer's module tree) mentions
+    ``name`` in its code (comments left out) except on a line about the KV cache: the layer index then changes
+    nothing in a training trace.  Code outside these classes (a module-level helper given ``self``) is not read:
+    that is why only trusted layer classes are reused by default (:func:`trusted`)."""
+    key = (classes, name)
     if key not in _memo:
-        pattern = re.compile(rf"self\.{name}\b")
+        pattern = re.compile(rf"\b{name}\b")
         ok = True
-        for klass in cls.__mro__:
-            if klass in (torch.nn.Module, object):
-                continue
-            for attr, fn in vars(klass).items():
-                if attr == "__init__" or not callable(fn):
+        for cls in classes:
+            for klass in cls.__mro__:
+                if klass in (torch.nn.Module, object):
                     continue
-                try:
-                    src = inspect.getsource(fn)
-                except (OSError, TypeError):
-                    continue
-                for line in src.splitlines():
-                    if pattern.search(line) and not re.search(r"cache|past_key_value", line, re.IGNORECASE):
-                        ok = False
+                for attr, fn in vars(klass).items():
+                    if attr == "__init__" or not callable(fn):
+                        continue
+                    try:
+                        src = inspect.getsource(fn)
+                    except (OSError, TypeError):
+                        continue
+                    for line in src.splitlines():
+                        code = line.split("#", 1)[0]
+                        if pattern.search(code) and not re.search(r"cache|past_key_value", code, re.IGNORECASE):
+                            ok = False
         _memo[key] = ok
     return _memo[key]
+
+
+#: packages whose layer classes are reused by default: their forwards are pure functions of the layer's attributes,
+#: parameters and inputs (the contract activation checkpointing relies on, which re-runs a layer's forward)
+TRUSTED_PACKAGES = ("torch.nn.", "transformers.", "diffusers.", "timm.", "dipc.models.", "open_clip.")
+
+
+def trusted(layer: torch.nn.Module) -> bool:
+    """True when every module class in ``layer`` comes from :data:`TRUSTED_PACKAGES`.  A layer of another class is
+    reused only with ``DIPC_REUSE_BLOCKS=all``: its author asserts that its forward reads no global or class state
+    and has no side effect (nothing a copy of another layer's trace could not reproduce)."""
+    return all(type(m).__module__.startswith(TRUSTED_PACKAGES) for m in layer.modules())
 
 
 _PRIMITIVES = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -135,6 +170,11 @@ def _describe(value: Any, modules: dict[int, str], depth: int = 0):
         return ("seq", type(value).__name__, tuple(_describe(v, modules, d) for v in items))
     if isinstance(value, dict):
         return ("dict", tuple((repr(k), _describe(v, modules, d)) for k, v in value.items()))
+    if isinstance(value, functools.partial):
+        return ("partial", _describe(value.func, modules, d), _describe(value.args, modules, d),
+                _describe(value.keywords, modules, d))
+    if getattr(value, "_dipc_forward", None) is not None:  # our tracing wrapper: the forward it wraps
+        return _describe(value._dipc_forward, modules, depth)
     if inspect.ismethod(value):
         return ("method", _describe(value.__func__, modules, d), _describe(value.__self__, modules, d))
     if inspect.isfunction(value):
@@ -145,29 +185,25 @@ def _describe(value: Any, modules: dict[int, str], depth: int = 0):
     return ("object", id(value))
 
 
-def _code(fn) -> Any:
-    """A hook's code (the same closure installed on every layer compares equal; its id differs)."""
-    return getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None) or type(fn)
-
-
 def fingerprint(layer: torch.nn.Module) -> tuple:
     """What must be equal for two layers to share one trace (see the module docstring)."""
     out = []
     own = {id(m): f"module:{p}" for p, m in layer.named_modules(remove_duplicate=False)}
     own.update({id(t): f"tensor:{p}" for p, t in itertools.chain(layer.named_parameters(remove_duplicate=False),
                                                                  layer.named_buffers(remove_duplicate=False))})
+    classes = tuple(sorted({type(m) for m in layer.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}"))
     for path, sub in layer.named_modules(remove_duplicate=False):
         attrs = []
         for k, v in sorted(vars(sub).items()):
-            if k in _MODULE_KEYS or k == "forward":
+            if k in _MODULE_KEYS:
                 continue
-            if k in _INDEX_NAMES and isinstance(v, int) and _index_only_for_cache(type(sub), k):
+            if k in _INDEX_NAMES and isinstance(v, int) and _index_only_for_cache(classes, k):
                 continue
             attrs.append((k, _describe(v, own)))
         params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in sub.named_parameters(recurse=False))
         buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in sub.named_buffers(recurse=False))
-        hooks = tuple(_code(h) for d in (sub._forward_pre_hooks, sub._forward_hooks) for h in d.values())
-        out.append((path, type(sub), tuple(attrs), params, buffers, hooks))
+        hooks = tuple(_describe(h, own) for d in (sub._forward_pre_hooks, sub._forward_hooks) for h in d.values())
+        out.append((path, type(sub), sub.training, tuple(attrs), params, buffers, hooks))
     return tuple(out)
 
 
@@ -182,6 +218,7 @@ class _Group:
     out_spec: Any = None
     out_leaves: list = dataclasses.field(default_factory=list)
     modes: tuple = ()  # grad / inference / autocast modes of the template call
+    fingerprint: tuple = ()  # the template layer's, at its call
 
 
 @dataclasses.dataclass
@@ -201,13 +238,24 @@ def _same_size(a, b) -> bool:
     return a == b
 
 
+def _leaf(x: Any):
+    """How a call's input leaf is compared: a tensor by its metadata, a primitive by value, any other object by its
+    content now (an object the parent changes between layers differs)."""
+    if isinstance(x, torch.Tensor):
+        return _tensor_meta(x)
+    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device, torch.SymInt, torch.SymFloat,
+                                   torch.SymBool)):
+        return x
+    return ("content", _describe(x, {}))
+
+
 def _tensor_meta(t: torch.Tensor):
-    return ("tensor", t.dtype, t.device, tuple(t.size()), tuple(t.stride()))
+    return ("tensor", t.dtype, t.device, tuple(t.size()), tuple(t.stride()), t.requires_grad)
 
 
 def _same_leaf(a, b) -> bool:
     if isinstance(a, tuple) and a and a[0] == "tensor":
-        return (isinstance(b, tuple) and b and b[0] == "tensor" and a[1] == b[1] and a[2] == b[2]
+        return (isinstance(b, tuple) and b and b[0] == "tensor" and a[1] == b[1] and a[2] == b[2] and a[5] == b[5]
                 and len(a[3]) == len(b[3]) and all(_same_size(x, y) for x, y in zip(a[3], b[3]))
                 and all(_same_size(x, y) for x, y in zip(a[4], b[4])))
     if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)) or isinstance(
@@ -217,12 +265,17 @@ def _same_leaf(a, b) -> bool:
         return False
     if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device)):
         return a == b
-    return a is b
+    return a == b if isinstance(a, tuple) and a and a[0] == "content" else a is b
 
 
-def _repeated_lists(model: torch.nn.Module) -> list[tuple[str, list[tuple[str, torch.nn.Module]]]]:
+def _repeated_lists(model: torch.nn.Module, everything: bool = False) -> list[tuple[str, list]]:
     """``(path, [(child name, layer)])`` of every ``ModuleList`` / ``Sequential`` of two or more distinct layers
-    that own their parameters, outermost first; a list inside another such list's layer is left out."""
+    whose parameters and buffers have one name each in the model (none tied to another module's), outermost first; a list inside another such list's layer is left out.  Layers of untrusted classes
+    (:func:`trusted`) are left out unless ``everything``."""
+    names: dict[int, int] = {}  # tensor -> how many names it has in the model (tied weights have several)
+    for _, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                model.named_buffers(remove_duplicate=False)):
+        names[id(t)] = names.get(id(t), 0) + 1
     found = []
     for path, mod in model.named_modules():
         if not isinstance(mod, (torch.nn.ModuleList, torch.nn.Sequential)) or len(mod) < 2:
@@ -236,9 +289,10 @@ def _repeated_lists(model: torch.nn.Module) -> list[tuple[str, list[tuple[str, t
         shared = False
         for name, c in children:
             for t in itertools.chain(c.parameters(), c.buffers()):
-                if owners.setdefault(id(t), name) != name:
-                    shared = True
-        if not shared:
+                if owners.setdefault(id(t), name) != name or names.get(id(t), 0) > 1:
+                    shared = True  # torch.export names a tied tensor after one of its modules, maybe another
+        children = [(n, c) for n, c in children if everything or trusted(c)]
+        if not shared and len(children) >= 2:
             found.append((path, children))
     return found
 
@@ -248,7 +302,11 @@ def reusing_blocks(model: torch.nn.Module):
     """While torch.export traces ``model``, trace each group of equal layers once (module docstring); yields the
     :class:`Reuse` record that :func:`splice` needs, or ``None`` when nothing repeats (or
     ``DIPC_REUSE_BLOCKS=0``)."""
-    lists = [] if os.environ.get("DIPC_REUSE_BLOCKS", "1") == "0" else _repeated_lists(model)
+    from torch.nn.modules import module as nn_module
+
+    setting = os.environ.get("DIPC_REUSE_BLOCKS", "1")
+    hooked = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every layer's call
+    lists = [] if setting == "0" or hooked else _repeated_lists(model, everything=setting == "all")
     record = Reuse()
     patched = []
     for path, children in lists:
@@ -267,13 +325,17 @@ def reusing_blocks(model: torch.nn.Module):
     if not patched:
         yield None
         return
+    own = {id(layer): layer.__dict__["forward"] for layer, _, _ in patched if "forward" in layer.__dict__}
     for layer, name, group in patched:
         layer.forward = _wrapped(layer, name, group, layer.forward, record)
     try:
         yield record
     finally:
-        for layer, _, _ in patched:
-            layer.__dict__.pop("forward", None)
+        for layer, _, _ in patched:  # a forward set on the instance before (a user's wrapper) comes back
+            if id(layer) in own:
+                layer.forward = own[id(layer)]
+            else:
+                layer.__dict__.pop("forward", None)
         for key in record.templates:
             _OUTPUTS.pop(key, None)
 
@@ -286,18 +348,24 @@ def _wrapped(layer, name, group: _Group, forward, record: Reuse):
             return forward(*args, **kwargs)
         called[0] = True
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        now = fingerprint(layer)  # at the call: the parent may have set an attribute since the capture began
         if group.template is None:
+            group.fingerprint = now
             return _run_template(group, name, forward, leaves, spec, record)
-        described = [_tensor_meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
-        if _modes() != group.modes or spec != group.in_spec or len(described) != len(group.in_leaves) or not all(
+        described = [_leaf(x) for x in leaves]
+        if now != group.fingerprint or _modes() != group.modes or spec != group.in_spec or len(described) != len(group.in_leaves) or not all(
                 _same_leaf(a, b) for a, b in zip(group.in_leaves, described)):
             return forward(*args, **kwargs)
         call = next(_counter)
         record.calls[call] = (group.key, group.prefix, name)
-        outs = iter(torch.ops.dipc.reused_block([x for x in leaves if isinstance(x, torch.Tensor)], group.key, call))
+        outs = torch.ops.dipc.reused_block([x for x in leaves if isinstance(x, torch.Tensor)], group.key, call)
+        for o, meta in zip(outs, _OUTPUTS[group.key]):  # as the first layer's outputs (the parent may branch on it)
+            o.requires_grad_(meta[4])
+        outs = iter(outs)
         return pytree.tree_unflatten([next(outs) if isinstance(x, tuple) and x and x[0] == "tensor" else x
                                       for x in group.out_leaves], group.out_spec)
 
+    run._dipc_forward = forward
     return run
 
 
@@ -311,7 +379,7 @@ def _modes() -> tuple:
 def _run_template(group: _Group, name: str, forward, leaves, spec, record: Reuse):
     key = next(_counter)
     group.template, group.key, group.in_spec, group.modes = name, key, spec, _modes()
-    group.in_leaves = [_tensor_meta(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+    group.in_leaves = [_leaf(x) for x in leaves]
     marked = []
     j = 0
     for x in leaves:
@@ -328,7 +396,7 @@ def _run_template(group: _Group, name: str, forward, leaves, spec, record: Reuse
     metas, result, j = [], [], 0
     for x in out_leaves:
         if isinstance(x, torch.Tensor):
-            metas.append((tuple(x.size()), tuple(x.stride()), x.dtype, x.device))
+            metas.append((tuple(x.size()), tuple(x.stride()), x.dtype, x.device, x.requires_grad))
             x = torch.ops.dipc.block_output(x, key, j)
             j += 1
         result.append(x)
@@ -388,6 +456,9 @@ def splice(ep, record: Reuse) -> int:
         end = min((order[m] for m in outs.values()), default=len(order))
         region = [n for n in graph.nodes if start < order[n] < end and n.op in ("call_function", "get_attr")]
         inside, ends = set(region), set(outs.values())
+        for m in ins.values():  # the layer handed its input on (a collector): the copies would not
+            if any(u not in inside and u not in ends for u in m.users):
+                raise NoReuse(f"{m.name}, an input of a repeated layer, is read outside it")
         for n in region:  # a size (SymInt) may be read anywhere; a tensor only through the layer's outputs
             if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in inside and u not in ends
                                                                    for u in n.users):
