@@ -85,6 +85,27 @@ class Capture:
     def graph(self) -> torch.fx.Graph:
         return self.graph_module.graph
 
+    def arguments(self, model: torch.nn.Module, data: Mapping[str, Any]) -> list:
+        """The graph's inputs, in placeholder order: ``model``'s parameters and buffers (by fully qualified name),
+        this capture's constants and ``data``'s tensors and Python values.
+
+        Raises:
+            KeyError: ``model`` lacks a parameter or buffer the graph reads, or ``data`` a key."""
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        args = []
+        for n in self.graph.nodes:
+            if n.op != "placeholder":
+                continue
+            if n.name in self.state_targets:
+                kind, fqn = self.state_targets[n.name]
+                args.append(self.constants[fqn] if kind == "constant" else state[fqn])
+            elif n.name in self.value_inputs:
+                args.append(self.value_inputs[n.name])
+            else:
+                args.append(data[self.input_keys[n.name]])
+        return args
+
 
 def default_dynamic_dims(batch: Mapping[str, torch.Tensor]) -> dict[str, dict[int, Any]]:
     """Every dim of every tensor input is dynamic (``Dim.AUTO``): torch.export keeps what the model allows."""

@@ -103,19 +103,7 @@ def check_capture(model: torch.nn.Module, cap, batch: Mapping[str, Any], *, loss
     """
     from .capture import CaptureError
 
-    state = dict(model.named_parameters(remove_duplicate=False))
-    state.update(model.named_buffers(remove_duplicate=False))
-    args = []
-    for n in cap.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        if n.name in cap.state_targets:
-            kind, fqn = cap.state_targets[n.name]
-            args.append(cap.constants[fqn] if kind == "constant" else state[fqn])
-        elif n.name in cap.value_inputs:
-            args.append(cap.value_inputs[n.name])
-        else:
-            args.append(batch[cap.input_keys[n.name]])
+    args = cap.arguments(model, batch)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -58,37 +58,22 @@ class NoReuse(Exception):
     """The traced graph cannot be completed from the recorded layers (the caller exports again without reuse)."""
 
 
-@torch.library.custom_op("dipc::block_input", mutates_args=())
-def _block_input(x: torch.Tensor, template: int, index: int) -> torch.Tensor:
-    """Marks input ``index`` of the first (template) call of a repeated layer; removed after the export."""
-    return x.clone()
+def _marker(name: str):
+    """A custom op ``dipc::<name>(x, template, index) -> copy of x`` marking input or output ``index`` of the first
+    (template) call of a repeated layer in the trace; removed after the export.  Gradients pass through, so its
+    output requires grad as its input does (a layer may branch on it)."""
+    def mark(x: torch.Tensor, template: int, index: int) -> torch.Tensor:
+        return x.clone()
+
+    op = torch.library.custom_op(f"dipc::{name}", mark, mutates_args=())
+    op.register_fake(lambda x, template, index: x.new_empty_strided(x.size(), x.stride()))
+    op.register_autograd(lambda ctx, grad: (grad, None, None))
+    return op
 
 
-@_block_input.register_fake
-def _(x, template, index):
-    return x.new_empty_strided(x.size(), x.stride())
+_block_input, _block_output = _marker("block_input"), _marker("block_output")
 
-
-@torch.library.custom_op("dipc::block_output", mutates_args=())
-def _block_output(x: torch.Tensor, template: int, index: int) -> torch.Tensor:
-    """Marks output ``index`` of the template call of a repeated layer; removed after the export."""
-    return x.clone()
-
-
-@_block_output.register_fake
-def _(x, template, index):
-    return x.new_empty_strided(x.size(), x.stride())
-
-
-def _identity_backward(ctx, grad):
-    return grad, None, None
-
-
-# the markers pass gradients through, so their outputs require grad as their inputs do (a layer may branch on it)
-_block_input.register_autograd(_identity_backward)
-_block_output.register_autograd(_identity_backward)
-
-_OUTPUTS: dict[int, list] = {}  # template key -> [(size, stride, dtype, device)] of its tensor outputs
+_OUTPUTS: dict[int, list] = {}  # template key -> [(size, stride, dtype, device, requires_grad)] per output
 
 
 @torch.library.custom_op("dipc::reused_block", mutates_args=())

@@ -78,7 +78,8 @@ def _run(rank: int, world: int, args) -> list:
     steps = batches[1:] if args.sync_planning else dipc.prefetch(batches[1:])
     for step, batch in enumerate(steps):
         t = time.perf_counter()
-        loss = pipe.step(batch)
+        with warnings.catch_warnings(record=True) as caught:  # dipc's notes print under the step's row
+            loss = pipe.step(batch)
         opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t
@@ -103,6 +104,12 @@ def _run(rank: int, world: int, args) -> list:
             enc = f" (images {images})  sub-microbatches {subs}" if compiled.batch_spec.instances else ""
             print(f"step {step:3d}  loss {float(loss):.4f}  batch {shape}  microbatches {len(mbs)}{enc}  "
                   f"wall {dt * 1e3:.0f} ms | {pipe.last_report.summary()}", flush=True)
+        for w in caught:
+            if str(w.message).startswith("dipc:"):
+                if rank == 0:
+                    print(f"          note: {str(w.message)[len('dipc:'):].strip()}", flush=True)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     pipe.close()
     if rank == 0 and len(history) >= 10:
         first = sum(l for l, _ in history[:5]) / 5

@@ -13,22 +13,8 @@ from dipc.capture import capture
 
 
 def _graph_loss_and_grads(c, model, batch):
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    args = []
-    for n in c.graph.nodes:
-        if n.op != "placeholder":
-            continue
-        if n.name in c.state_targets:
-            kind, target = c.state_targets[n.name]
-            args.append(params[target] if kind == "parameter" else buffers[target] if kind == "buffer"
-                        else c.constants[target])
-        elif n.name in c.input_keys:
-            args.append(batch[c.input_keys[n.name]])
-        else:
-            args.append(c.value_inputs[n.name])
     model.zero_grad(set_to_none=True)
-    loss = c.graph_module(*args)[0]
+    loss = c.graph_module(*c.arguments(model, batch))[0]
     loss.backward()
     return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
