@@ -255,8 +255,9 @@ def _same_leaf(a, b) -> bool:
 
 def _repeated_lists(model: torch.nn.Module, everything: bool = False) -> list[tuple[str, list]]:
     """``(path, [(child name, layer)])`` of every ``ModuleList`` / ``Sequential`` of two or more distinct layers
-    whose parameters and buffers have one name each in the model (none tied to another module's), outermost first; a list inside another such list's layer is left out.  Layers of untrusted classes
-    (:func:`trusted`) are left out unless ``everything``."""
+    whose parameters and buffers have one name each in the model (none tied to another module's), outermost
+    first; a list inside another such list's layer is left out.  Layers of untrusted classes (:func:`trusted`) are
+    left out unless ``everything``."""
     names: dict[int, int] = {}  # tensor -> how many names it has in the model (tied weights have several)
     for _, t in itertools.chain(model.named_parameters(remove_duplicate=False),
                                 model.named_buffers(remove_duplicate=False)):
@@ -338,8 +339,10 @@ def _wrapped(layer, name, group: _Group, forward, record: Reuse):
             group.fingerprint = now
             return _run_template(group, name, forward, leaves, spec, record)
         described = [_leaf(x) for x in leaves]
-        if now != group.fingerprint or _modes() != group.modes or spec != group.in_spec or len(described) != len(group.in_leaves) or not all(
-                _same_leaf(a, b) for a, b in zip(group.in_leaves, described)):
+        alike = (now == group.fingerprint and _modes() == group.modes and spec == group.in_spec
+                 and len(described) == len(group.in_leaves)
+                 and all(_same_leaf(a, b) for a, b in zip(group.in_leaves, described)))
+        if not alike:
             return forward(*args, **kwargs)
         call = next(_counter)
         record.calls[call] = (group.key, group.prefix, name)

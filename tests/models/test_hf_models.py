@@ -349,7 +349,8 @@ def test_tokens_per_image_are_read_from_each_familys_config():
 def test_hf_llava_one_capture_serves_every_image_count():
     """Issue 35 §2 for Hugging Face LLaVA: traced through its capture recipe (``dipc.recipes``: the vision tower on
     all images at once, dipc's merge), the image count stays symbolic, so microbatches of 1 to 6 images (and their
-    sub-microbatches) run one capture, text-only microbatches a second; every step equals the unsplit model."""
+    sub-microbatches) run one capture, text-only microbatches a second; every step equals the unsplit model.  Each
+    capture traces its vision and text layers once and copies the rest (issue 35 §5)."""
     import pipeline_cases as pc
     import torch
 
@@ -369,3 +370,5 @@ def test_hf_llava_one_capture_serves_every_image_count():
         local_check(model, c, b, 2)
         seen.update(sum(counts[i:i + 2]) for i in (0, 2))
     assert len(seen) >= 4 and len(c.programs) <= 2, (sorted(seen), len(c.programs))
+    # each capture copied its repeated layers from their first layer's trace (dipc.repeated), as equal as traced
+    assert all(p.capture.reused_layers >= 1 for p in c.programs), [p.capture.reused_layers for p in c.programs]
