@@ -21,7 +21,7 @@ import torch.fx
 from torch.export import Dim, export
 from torch.export.graph_signature import InputKind, OutputKind
 
-from dipc.repeated import reusing_blocks, splice
+from dipc.repeated import NoReuse, reusing_blocks, splice
 
 __all__ = ["Capture", "capture", "CaptureError", "is_meta"]
 
@@ -313,15 +313,22 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
 
 def _export_reusing_blocks(model: torch.nn.Module, batch: Mapping[str, Any], dynamic: dict):
     """``(torch.export.export(model, (), batch, strict=False), layers reused)`` with each repeated layer traced
-    once (:mod:`dipc.repeated`); where the reuse cannot complete the graph, or its trace fails, the model is
-    exported again with every layer traced (0 reused)."""
-    with reusing_blocks(model) as record:
-        if record is not None:
+    once (:mod:`dipc.repeated`).  Where the reuse of one list cannot complete the graph, the model is exported again
+    with that list's layers traced; where that fails too, or the trace fails, with every layer traced (0 reused)."""
+    exclude: frozenset = frozenset()
+    for _ in range(2):  # a list at fault is traced whole the second time; then everything is
+        with reusing_blocks(model, exclude) as record:
+            if record is None:
+                break
             try:
                 ep = export(model, (), dict(batch), strict=False, dynamic_shapes=dynamic)
                 return ep, splice(ep, record)
+            except NoReuse as e:
+                if e.prefix is None:
+                    break
+                exclude = exclude | {e.prefix}
             except Exception:  # noqa: BLE001 (the plain trace below raises what the model really does)
-                pass
+                break
     return export(model, (), dict(batch), strict=False, dynamic_shapes=dynamic), 0
 
 

@@ -55,7 +55,12 @@ __all__ = ["reusing_blocks", "splice", "NoReuse"]
 
 
 class NoReuse(Exception):
-    """The traced graph cannot be completed from the recorded layers (the caller exports again without reuse)."""
+    """The traced graph cannot be completed from the recorded layers; ``prefix`` names the list whose layers are at
+    fault, where known (the caller exports again without reusing them)."""
+
+    def __init__(self, message: str, prefix: str | None = None):
+        super().__init__(message)
+        self.prefix = prefix
 
 
 def _marker(name: str):
@@ -208,10 +213,11 @@ class _Group:
 
 @dataclasses.dataclass
 class Reuse:
-    """What :func:`reusing_blocks` recorded: template key -> (list path, child name); reused call -> (template
-    key, list path, child name)."""
+    """What :func:`reusing_blocks` recorded: reusable template key -> (list path, child name); reused call ->
+    (template key, list path, child name)."""
     templates: dict = dataclasses.field(default_factory=dict)
     calls: dict = dataclasses.field(default_factory=dict)
+    lists: dict = dataclasses.field(default_factory=dict)  # every template key (reusable or not) -> list path
 
 
 def _same_size(a, b) -> bool:
@@ -284,15 +290,17 @@ def _repeated_lists(model: torch.nn.Module, everything: bool = False) -> list[tu
 
 
 @contextlib.contextmanager
-def reusing_blocks(model: torch.nn.Module):
-    """While torch.export traces ``model``, trace each group of equal layers once (module docstring); yields the
-    :class:`Reuse` record that :func:`splice` needs, or ``None`` when nothing repeats (or
-    ``DIPC_REUSE_BLOCKS=0``)."""
+def reusing_blocks(model: torch.nn.Module, exclude: frozenset = frozenset()):
+    """While torch.export traces ``model``, trace each group of equal layers once (module docstring), but in the
+    lists named in ``exclude``; yields the :class:`Reuse` record that :func:`splice` needs, or ``None`` when nothing
+    repeats (or ``DIPC_REUSE_BLOCKS=0``)."""
     from torch.nn.modules import module as nn_module
 
     setting = os.environ.get("DIPC_REUSE_BLOCKS", "1")
     hooked = nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks  # they see every layer's call
-    lists = [] if setting == "0" or hooked else _repeated_lists(model, everything=setting == "all")
+    lists = [] if setting == "0" or hooked else [
+        (path, children) for path, children in _repeated_lists(model, everything=setting == "all")
+        if path not in exclude]
     record = Reuse()
     patched = []
     for path, children in lists:
@@ -367,6 +375,7 @@ def _modes() -> tuple:
 def _run_template(group: _Group, name: str, forward, leaves, spec, record: Reuse):
     key = next(_counter)
     group.template, group.key, group.in_spec, group.modes = name, key, spec, _modes()
+    record.lists[key] = group.prefix
     group.in_leaves = [_leaf(x) for x in leaves]
     marked = []
     j = 0
@@ -446,11 +455,11 @@ def splice(ep, record: Reuse) -> int:
         inside, ends = set(region), set(outs.values())
         for m in ins.values():  # the layer handed its input on (a collector): the copies would not
             if any(u not in inside and u not in ends for u in m.users):
-                raise NoReuse(f"{m.name}, an input of a repeated layer, is read outside it")
+                raise NoReuse(f"{m.name}, an input of a repeated layer, is read outside it", record.lists.get(key))
         for n in region:  # a size (SymInt) may be read anywhere; a tensor only through the layer's outputs
             if isinstance(n.meta.get("val"), torch.Tensor) and any(u not in inside and u not in ends
                                                                    for u in n.users):
-                raise NoReuse(f"{n.name}, inside a repeated layer, is read outside it")
+                raise NoReuse(f"{n.name}, inside a repeated layer, is read outside it", record.lists.get(key))
         regions[key] = region
     renamed: dict[str, str] = {}
     for call in calls:
@@ -458,9 +467,9 @@ def splice(ep, record: Reuse) -> int:
         if key not in regions or call_id not in record.calls:
             raise NoReuse(f"no template recorded for reused call {call.name}")
         region = regions[key]
-        if any("unbacked_bindings" in n.meta for n in region):
-            raise NoReuse("the repeated layer's trace makes unbacked sizes")
         prefix, t_name = record.templates[key]
+        if any("unbacked_bindings" in n.meta for n in region):
+            raise NoReuse("the repeated layer's trace makes unbacked sizes", prefix)
         _, _, i_name = record.calls[call_id]
         old, new = f"{prefix}.{t_name}", f"{prefix}.{i_name}"
         inside = set(region)
@@ -474,10 +483,10 @@ def splice(ep, record: Reuse) -> int:
                 if target is not None and target.startswith(old + "."):
                     mapped = by_target.get(new + target[len(old):])
                     if mapped is None:
-                        raise NoReuse(f"{new + target[len(old):]} is not an input of the exported program")
+                        raise NoReuse(f"{new + target[len(old):]} is not an input of the exported program", prefix)
                     return nodes[mapped]
             if x in inside:
-                raise NoReuse(f"{x.name} used before it is copied")
+                raise NoReuse(f"{x.name} used before it is copied", prefix)
             return x
 
         stack = call.meta.get("nn_module_stack") or {}
@@ -496,7 +505,7 @@ def splice(ep, record: Reuse) -> int:
                 env[n] = copy
         for user in list(call.users):
             if not (user.op == "call_function" and user.target is operator.getitem):
-                raise NoReuse(f"reused call {call.name} is read whole by {user.name}")
+                raise NoReuse(f"reused call {call.name} is read whole by {user.name}", prefix)
             value = outer(marks_out[key][user.args[1]].args[0])
             user.replace_all_uses_with(value)
             renamed[user.name] = value.name
@@ -510,8 +519,10 @@ def splice(ep, record: Reuse) -> int:
     ours = (torch.ops.dipc.reused_block.default, torch.ops.dipc.block_input.default,
             torch.ops.dipc.block_output.default)
     for gm in ep.graph_module.modules():  # a call inside a region of its own (a submodule graph) was not replaced
-        if isinstance(gm, torch.fx.GraphModule) and any(n.target in ours for n in gm.graph.nodes):
-            raise NoReuse("a repeated layer was called inside a region traced as a submodule")
+        left = [n for n in gm.graph.nodes if n.target in ours] if isinstance(gm, torch.fx.GraphModule) else []
+        if left:
+            raise NoReuse("a repeated layer was called inside a region traced as a submodule",
+                          record.lists.get(left[0].args[1]))
     for spec in ep.graph_signature.output_specs:
         name = getattr(spec.arg, "name", None)
         while name in renamed:

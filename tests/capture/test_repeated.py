@@ -236,3 +236,28 @@ def test_reference_vlm_partitions_and_trains_alike_with_and_without_reuse():
         assert prog.capture.reused_layers == (6 if reuse == "1" else 0)
         chunks[reuse] = {k: sorted(n for n, _ in prog.module(k).named_parameters()) for k in prog.chunks}
     assert chunks["1"] == chunks["0"]
+
+
+def test_a_list_at_fault_is_traced_and_the_others_still_copied(monkeypatch):
+    """Two lists; a hook reads inside the first's layers (its copies would not feed it): the capture is made again
+    with that list traced and the second list's layers still copied; equal to eager."""
+    monkeypatch.setenv("DIPC_REUSE_BLOCKS", "all")
+    torch.manual_seed(0)
+    recorded = []
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = Stack(n=4), Stack(n=4)
+            for layer in self.enc.layers:
+                layer.fc1.register_forward_hook(lambda m, a, out: recorded.append(out))
+
+        def forward(self, x, target):
+            recorded.clear()
+            loss = self.enc(x, target) + self.dec(x * 2, target)
+            return loss + 1e-3 * sum(r.square().mean() for r in recorded)
+
+    model, b = Two(), _batch()
+    c = capture(model, b)
+    assert c.reused_layers == 3  # dec's
+    _assert_equals_eager(c, model, b)
