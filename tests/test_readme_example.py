@@ -39,4 +39,4 @@ def test_the_readme_example_runs_as_written_and_equals_the_unsplit_model(tmp_pat
         loss.backward()
         opt.step()
         opt.zero_grad()
-        assert got[step] == pytest.approx(float(loss), rel=1e-5, abs=2e-6), f"step {step}"
+        assert got[step] == pytest.approx(loss.detach().item(), rel=1e-5, abs=2e-6), f"step {step}"
