@@ -98,32 +98,29 @@ _MODULE_KEYS = frozenset(vars(torch.nn.Module()))
 _counter = itertools.count()
 
 
-def _index_only_for_cache(classes: tuple, name: str, _memo: dict = {}) -> bool:  # noqa: B006 (a memo)
+@functools.lru_cache(maxsize=None)
+def _index_only_for_cache(classes: tuple, name: str) -> bool:
     """True when no method (but ``__init__``) of any of ``classes`` (every class of a layer's module tree) mentions
     ``name`` in its code (comments left out) except on a line about the KV cache: the layer index then changes
     nothing in a training trace.  Code outside these classes (a module-level helper given ``self``) is not read:
     that is why only trusted layer classes are reused by default (:func:`trusted`)."""
-    key = (classes, name)
-    if key not in _memo:
-        pattern = re.compile(rf"\b{name}\b")
-        ok = True
-        for cls in classes:
-            for klass in cls.__mro__:
-                if klass in (torch.nn.Module, object):
+    pattern = re.compile(rf"\b{name}\b")
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass in (torch.nn.Module, object):
+                continue
+            for attr, fn in vars(klass).items():
+                if attr == "__init__" or not callable(fn):
                     continue
-                for attr, fn in vars(klass).items():
-                    if attr == "__init__" or not callable(fn):
-                        continue
-                    try:
-                        src = inspect.getsource(fn)
-                    except (OSError, TypeError):
-                        continue
-                    for line in src.splitlines():
-                        code = line.split("#", 1)[0]
-                        if pattern.search(code) and not re.search(r"cache|past_key_value", code, re.IGNORECASE):
-                            ok = False
-        _memo[key] = ok
-    return _memo[key]
+                try:
+                    src = inspect.getsource(fn)
+                except (OSError, TypeError):
+                    continue
+                for line in src.splitlines():
+                    code = line.split("#", 1)[0]
+                    if pattern.search(code) and not re.search(r"cache|past_key_value", code, re.IGNORECASE):
+                        return False
+    return True
 
 
 #: packages whose layer classes are reused by default: their forwards are pure functions of the layer's attributes,
@@ -377,16 +374,16 @@ def _run_template(group: _Group, name: str, forward, leaves, spec, record: Reuse
     group.template, group.key, group.in_spec, group.modes = name, key, spec, _modes()
     record.lists[key] = group.prefix
     group.in_leaves = [_leaf(x) for x in leaves]
-    marked = []
-    j = 0
+    if not any(isinstance(x, torch.Tensor) for x in leaves):  # nothing to feed a copy: trace every layer
+        group.in_spec = object()
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return forward(*args, **kwargs)
+    marked, j = [], 0
     for x in leaves:
         if isinstance(x, torch.Tensor):
             x = torch.ops.dipc.block_input(x, key, j)
             j += 1
         marked.append(x)
-    if j == 0:  # nothing to tell later calls apart by: trace every layer
-        group.in_spec = object()
-        return forward(*pytree.tree_unflatten(leaves, spec)[0], **pytree.tree_unflatten(leaves, spec)[1])
     args, kwargs = pytree.tree_unflatten(marked, spec)
     out = forward(*args, **kwargs)
     out_leaves, out_spec = pytree.tree_flatten(out)
