@@ -1,7 +1,7 @@
 """Captures on a stream of dynamic batches, and compile time at the paper's sizes (issue "Capture once").
 
 For each Hugging Face VLM (tiny configs, random init): a stream of ``--batches`` batches of 8 samples, 4
-microbatches, 0 to 3 images per sample (0..12 per microbatch; Qwen2-VL's also 0 or 1 video per sample), text-only
+microbatches, 0 to 6 images per sample (0..12 per microbatch; Qwen2-VL's also 0 or 1 video per sample), text-only
 microbatches among them, run twice through
 every rank of a 2-rank pipeline in this process (:func:`dipc.runtime.run_local`): the captures made, the seconds
 spent in them (``torch.export``), and the mean step time of the first (cold) pass and of the second (warm) pass.
@@ -9,7 +9,7 @@ Then ``dipc.compile`` of the paper's VLM-S, VLM-M, VLM-L and T2V-S on the meta d
 H800 profile), seconds, with each repeated layer traced once (:mod:`dipc.repeated`) and, for comparison, with every
 layer traced.
 
-    python bench/capture.py [--batches 20] [--models llava,llava_onevision,qwen2_vl,qwen2_5_vl] [--paper vlm_s,...] [--out F]
+    python bench/capture.py [--batches 20] [--models llava,llava_next,llava_onevision,qwen2_vl,qwen2_5_vl] [--paper vlm_s,...] [--out F]
 
 Prints a Markdown table (and writes it to ``--out``).  Timings are this machine's (2 shared cores here): compare
 the ratios within one run.
@@ -35,7 +35,7 @@ def _stream(name: str, n: int):
     g = torch.Generator().manual_seed(0)
     counts = []
     for i in range(n):
-        c = torch.randint(0, 4, (8,), generator=g).tolist()
+        c = torch.randint(0, 7, (8,), generator=g).tolist()
         if i % 4 == 0:
             c[0] = c[1] = 0
         counts.append(c)
@@ -47,6 +47,11 @@ def _stream(name: str, n: int):
         batches = [pc.vlm_batch(c, tpi * max(c) + 8, i, tpi, cfg.image_token_id, cfg.vision_config.image_size)
                    for i, c in enumerate(counts)]
         return pc.llava(), batches, {"sub_microbatch_size": {"vision": 4}}
+    if name == "llava_next":  # images of 16x32, 32x32 and 24x16 pixels: 3 or 5 tiles, 14 to 24 tokens
+        import hf_cases
+        hw = ((16, 32), (32, 32), (24, 16))
+        batches = [hf_vlm.llava_next_batch(c, 24 * sum(c) + 8, i, image_hw=hw) for i, c in enumerate(counts)]
+        return hf_vlm.tiny_llava_next(0), batches, {"instances": hf_cases.llava_next_instances()}
     if name == "llava_onevision":
         batches = [hf_vlm.llava_onevision_batch(c, 24 * max(c) + 8, i) for i, c in enumerate(counts)]
         return (hf_vlm.tiny_llava_onevision(0), batches,
@@ -118,13 +123,13 @@ def paper_compile(name: str, reuse: bool = True) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=20)
-    ap.add_argument("--models", default="llava,llava_onevision,qwen2_vl,qwen2_5_vl")
+    ap.add_argument("--models", default="llava,llava_next,llava_onevision,qwen2_vl,qwen2_5_vl")
     ap.add_argument("--paper", default="vlm_s,vlm_m,vlm_l,t2v_s")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    lines = [f"Stream of {args.batches} batches (8 samples, 4 microbatches, 0-3 images per sample; Qwen2-VL's also 0-1 "
+    lines = [f"Stream of {args.batches} batches (8 samples, 4 microbatches, 0-6 images per sample; Qwen2-VL's also 0-1 "
              "video per sample), 2 ranks in one process; cold = first pass over the stream, warm = second.", "",
              "| model | result | captures | s in capture | compile s | cold step s | warm step s | cold / (warm + "
              "compile share) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -23,12 +23,16 @@ FAMILIES = {
               "list(image_features) fixes the image count in a plain trace: captured through dipc's recipe (one "
               "capture for every image count, one for text-only microbatches), sub-microbatches of 1 image"),
     "llava_next": ("LLaVA-NeXT", "transformers LlavaNextForConditionalGeneration",
-                   "image_sizes read with .tolist() (static values, re-captured per value); tokens per image follow "
-                   "each image's size (declared with Instances(tokens_per_instance=fn))"),
+                   "image_sizes read in Python (tiles per image, grid crop): captured through dipc's anyres recipe "
+                   "(the feature rows of each placeholder computed per microbatch by a custom op; one capture for "
+                   "every image count and size, one for text-only microbatches); tokens per image follow each "
+                   "image's size (declared with Instances(tokens_per_instance=fn))"),
     "llava_onevision": ("LLaVA-OneVision", "transformers LlavaOnevisionForConditionalGeneration",
                         "the per-sample batch_num_images decides each image's tiles (anyres when alone in its sample, "
-                        "its base tile in a multi-image one): image sub-microbatches of 2 hold whole samples and see "
-                        "their own counts; tokens per image declared with Instances(tokens_per_instance=fn)"),
+                        "its base tile in a multi-image one), image_sizes the crop, anyres_max the bilinear "
+                        "down-scaling: captured through dipc's anyres recipe, which reads them per microbatch at run "
+                        "time, so image sub-microbatches cut samples; tokens per image declared with "
+                        "Instances(tokens_per_instance=fn)"),
     "paligemma": ("PaliGemma", "transformers PaliGemmaForConditionalGeneration",
                   "prefix/suffix token_type_ids; the model's token-count check placed at the merge"),
     "gemma3": ("Gemma 3", "transformers Gemma3ForConditionalGeneration",

@@ -26,12 +26,16 @@ def recipe_for(model: torch.nn.Module) -> Callable | None:
     """A forward computing ``model``'s output from the batch's keyword arguments whose trace keeps the image count
     symbolic, or ``None`` (no recipe for this model's family).  Known: ``LlavaForConditionalGeneration``
     (``model_type == "llava"``, one vision feature layer or several), ``Qwen2VLForConditionalGeneration`` and
-    ``Qwen2_5_VLForConditionalGeneration`` (:mod:`dipc.recipes_qwen`)."""
+    ``Qwen2_5_VLForConditionalGeneration`` (:mod:`dipc.recipes_qwen`), ``LlavaNextForConditionalGeneration`` and
+    ``LlavaOnevisionForConditionalGeneration`` (:mod:`dipc.recipes_anyres`)."""
     cfg = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     if getattr(cfg, "model_type", None) in ("qwen2_vl", "qwen2_5_vl"):
         from .recipes_qwen import qwen2_vl_recipe
         return qwen2_vl_recipe(model)
+    if getattr(cfg, "model_type", None) in ("llava_next", "llava_onevision"):
+        from .recipes_anyres import anyres_recipe
+        return anyres_recipe(model)
     if getattr(cfg, "model_type", None) != "llava" or inner is None:
         return None
     needed = ("vision_tower", "multi_modal_projector", "get_placeholder_mask", "get_input_embeddings")

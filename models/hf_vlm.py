@@ -572,9 +572,11 @@ def llava_next_tokens_per_image(config, height: int, width: int) -> int:
     return _anyres_tokens(config, height, width)
 
 
-def _anyres_tokens(config, height: int, width: int) -> int:
+def _anyres_tokens(config, height: int, width: int, max_tiles: int | None = None) -> int:
     """Tokens of an "anyres" image with ``p*p`` features per tile: the base tile, the unpadded grid of the best
-    pinpoint's tiles, one ``image_newline`` per grid row."""
+    pinpoint's tiles, one ``image_newline`` per grid row; with ``max_tiles`` (LLaVA-OneVision's ``anyres_max_<n>``)
+    a grid larger than ``1.1**2 * max_tiles`` tiles is down-scaled by its ratio, as ``LlavaOnevisionProcessor``
+    counts it."""
     v = config.vision_config
     p = v.image_size // v.patch_size
     bh, bw = _best_resolution(height, width, config.image_grid_pinpoints)
@@ -585,6 +587,9 @@ def _anyres_tokens(config, height: int, width: int) -> int:
     else:
         new_w = int(round(width * (cur_h / height), 7))
         cur_w -= 2 * ((cur_w - new_w) // 2)
+    ratio = math.sqrt(cur_h * cur_w / (max_tiles * p * p)) if max_tiles else 0.0
+    if ratio > 1.1:
+        cur_h, cur_w = int(cur_h // ratio), int(cur_w // ratio)
     return p * p + cur_h * cur_w + cur_h
 
 
@@ -668,13 +673,14 @@ def tiny_llava_onevision_config(attn_implementation: str = "sdpa", vocab_size: i
 def llava_onevision_tokens_per_image(config, height: int, width: int, single: bool) -> int:
     """Placeholder tokens of an image of original size ``(height, width)`` as ``LlavaOnevisionProcessor`` counts
     them: the only image of its sample (``single``) is tiled "anyres" like LLaVA-NeXT
-    (:func:`llava_next_tokens_per_image`; the tiny sizes never reach ``anyres_max_9``'s down-scaling); each image
+    (:func:`llava_next_tokens_per_image`, down-scaled past ``anyres_max_<n>`` tiles: the tiny sizes never reach
+    ``anyres_max_9``, a config with ``anyres_max_1`` does); each image
     of a multi-image sample is its base tile alone, ``p*p`` features plus one ``image_newline``."""
     v = config.vision_config
     p = v.image_size // v.patch_size
     if not single:
         return p * p + 1
-    return _anyres_tokens(config, height, width)
+    return _anyres_tokens(config, height, width, int(str(config.vision_aspect_ratio).strip("anyres_max_")))
 
 
 def llava_onevision_instances(config=None, sub_microbatch_size: int = 12):

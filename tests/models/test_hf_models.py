@@ -101,34 +101,48 @@ def _llava_per_layer_recompute(rank, world):
 
 
 def _onevision_sub_sizes(rank, pp=3):
-    """Issue 35 §1 on LLaVA-OneVision: ``batch_num_images`` (per sample, a constant of the trace) decides each image's
-    tiles, so image sub-microbatches must see their own samples' counts.  A ``pp``-rank pipeline (run in this
+    """Issue 35 §1-2 on LLaVA-OneVision: ``batch_num_images`` (per sample) decides each image's tiles and
+    ``image_sizes`` its grid's crop, so image sub-microbatches must see their own images' values.  Images of four
+    original sizes (crops in both directions) and a config whose ``anyres_max_1`` down-scales every tiled image's
+    grid (bilinear), through dipc's anyres recipe (:mod:`dipc.recipes_anyres`).  A ``pp``-rank pipeline (run in this
     process) at sub-microbatch sizes 1, 2 and 3 equals the unsplit model's loss and every gradient on a microbatch
-    holding [1, 2, 1] images (5, 1, 1 and 5 tiles), with a text-only microbatch first and then last.  Rank 0 only;
-    returns the (size, batch) pairs checked."""
+    holding [1, 2, 1] images (5, 1, 1 and 5 tiles), with a text-only microbatch first and then last, and on two
+    more batches of other counts; the whole run makes 2 captures (text only, images).  Rank 0 only; returns the
+    (size, batch) pairs checked."""
     if rank != 0:
         return 0
     import dataclasses
 
-    import hf_cases
     import torch
 
     import dipc
+    from dipc.models import hf_vlm
     from dipc.testing import local_check
 
     torch.manual_seed(0)
-    model = hf_cases.llava_onevision()
-    batches = hf_cases.llava_onevision_batches()
-    c = dipc.compile(model, batches[0], pp, instances=hf_cases.llava_onevision_instances(), check=False)
+    cfg = hf_vlm.tiny_llava_onevision_config()
+    cfg.vision_aspect_ratio = "anyres_max_1"
+    model = hf_vlm.tiny_llava_onevision(0, cfg)
+    hw = ((32, 32), (20, 32), (32, 24), (16, 32))
+    batches = [hf_vlm.llava_onevision_batch(c, s, seed, config=cfg, image_hw=hw) for seed, (c, s) in enumerate(
+        [([1, 2, 0, 1, 0, 1], 40), ([0, 0, 0, 1, 2, 1], 36), ([2, 1, 1, 1, 0, 0], 40), ([1, 2, 1, 0, 0, 0], 44),
+         ([3, 1, 0, 2, 1, 1], 44)])]
+    c = dipc.compile(model, batches[0], pp, instances=hf_vlm.llava_onevision_instances(cfg, 2), check=False)
+    assert c.use_recipe, "the anyres recipe was dropped: it did not reproduce the model's loss on the example"
     inst = c.batch_spec.instances[0]
     seen = 0
-    for size, subs in ((1, [(0, 1), (1, 3), (3, 4)]), (2, [(0, 1), (1, 3), (3, 4)]), (3, [(0, 3), (3, 4)])):
+    # the recipe reads batch_num_images at run time, per microbatch, so sub-microbatches cut samples: {0, 1} and
+    # {2, 3} at size 2 is the issue's case (image 2 read image 0's tile count when the trace held the values)
+    for size, subs in ((1, [(0, 1), (1, 2), (2, 3), (3, 4)]), (2, [(0, 2), (2, 4)]), (3, [(0, 2), (2, 4)])):  # near-equal
         c.batch_spec.instances = [dataclasses.replace(inst, sub_microbatch_size=size)]
         for b, images in ((batches[1], 1), (batches[3], 0)):  # [0, 0, 0 | 1, 2, 1], then [1, 2, 1 | 0, 0, 0]
             mbs = c.batch_spec.split(b, 2)
-            assert mbs[images].subs["vision"] == subs and mbs[1 - images].subs["vision"] == []
+            assert mbs[images].subs["vision"] == subs and mbs[1 - images].subs["vision"] == [], (size, mbs)
             local_check(model, c, b, 2)
             seen += 1
+    for b in (batches[2], batches[4]):
+        local_check(model, c, b, 2)
+    assert len(c.programs) == 2, f"{len(c.programs)} captures for 5 batches of 0-8 images (want 2)"
     return seen
 
 
