@@ -11,12 +11,14 @@ layer traced.
 
     python bench/capture.py [--batches 20] [--models llava,llava_next,llava_onevision,qwen2_vl,qwen2_5_vl] [--paper vlm_s,...] [--out F]
 
-Prints a Markdown table (and writes it to ``--out``).  Timings are this machine's (2 shared cores here): compare
+Prints a Markdown table (and writes it to ``--out``, and each model's captures over the stream to the same name
+with ``.json``, which the README's support table reads: ``bench/support_table.py``).  Timings are this machine's (2 shared cores here): compare
 the ratios within one run.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -133,8 +135,9 @@ def main() -> None:
              "video per sample), 2 ranks in one process; cold = first pass over the stream, warm = second.", "",
              "| model | result | captures | s in capture | compile s | cold step s | warm step s | cold / (warm + "
              "compile share) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    streams = {}
     for name in [m for m in args.models.split(",") if m]:
-        r = run_stream(name, args.batches)
+        r = streams[name] = run_stream(name, args.batches)
         if r["status"] != "ok":
             lines.append(f"| {name} | {r['status']} | | | | | | |")
         else:
@@ -158,6 +161,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write("# Captures on a dynamic stream, and compile time at paper scale\n\n`python bench/capture.py "
                     f"--out {args.out}`\n\n" + text + "\n")
+        # the README's support table (bench/support_table.py) shows each model's captures over this stream
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"batches": args.batches, "captures": {n: r["captures"] for n, r in streams.items()
+                                                             if r["status"] == "ok"}}, f, indent=1, sort_keys=True)
 
 
 if __name__ == "__main__":

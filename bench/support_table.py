@@ -2,7 +2,8 @@
 
 ``python bench/support_table.py --run`` runs ``tests/models/test_hf_models.py`` with ``DIPC_SUPPORT_TABLE`` set, so the
 tests write their results (status, largest gradient difference against the unsplit model, compile seconds, captures
-made) to ``docs/hf_support.json``; then (and without ``--run``, from the existing file) it renders the table into
+made) to ``docs/hf_support.json``; then (and without ``--run``, from the existing file) it renders the table, with
+each model's captures over ``bench/capture.py``'s dynamic stream where ``docs/bench_capture.json`` has them, into
 README.md between the ``<!-- support-table -->`` markers and prints it.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "hf_support.json")
+STREAM = os.path.join(ROOT, "docs", "bench_capture.json")  # written by bench/capture.py --out docs/bench_capture.md
 
 #: test name -> (family, class, what the test exercises)
 FAMILIES = {
@@ -57,7 +59,10 @@ FAMILIES = {
 }
 
 
-def render(results: dict) -> str:
+def render(results: dict, stream: dict | None = None) -> str:
+    """The table's Markdown from the tests' ``results`` and ``stream`` (``docs/bench_capture.json``: captures over
+    the dynamic stream of ``bench/capture.py``)."""
+    stream = stream or {}
     lines = ["| family | class | result on 2 ranks, 3 steps vs the unsplit model | compile s | exercises / why not |",
              "| --- | --- | --- | --- | --- |"]
     for key, (family, cls, what) in FAMILIES.items():
@@ -65,7 +70,10 @@ def render(results: dict) -> str:
         if r is None:
             status = "not run"
         elif r["status"] == "tested":
-            status = f"equal (largest gradient difference {r['grad_err']:.1e}; {r['captures']} captures)"
+            status = f"equal (largest gradient difference {r['grad_err']:.1e}; {r['captures']} captures"
+            if key in stream.get("captures", {}):
+                status += f"; {stream['captures'][key]} over bench/capture.py's {stream['batches']}-batch stream"
+            status += ")"
         else:
             status = r["status"]
         why = r.get("why", what) if r else what
@@ -84,7 +92,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/models/test_hf_models.py"], cwd=ROOT, env=env,
                        check=True)
     results = json.load(open(RESULTS))
-    table = render(results)
+    table = render(results, json.load(open(STREAM)) if os.path.exists(STREAM) else None)
     readme = os.path.join(ROOT, "README.md")
     text = open(readme).read()
     new = re.sub(r"(<!-- support-table -->\n).*?(<!-- /support-table -->)",

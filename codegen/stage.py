@@ -65,6 +65,28 @@ _FREE: dict[Any, tuple] = {}
 _SIZES_MAX = 1 << 16
 
 
+def _at_zero(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
+    """``expr``'s value where a division's divisor is 0, each such quotient (or remainder) taken as 0, as the
+    captured graph computes it (:func:`dipc.capture.size_floordiv`).
+
+    Raises:
+        CodegenError: a symbol has no value."""
+    if expr.is_Symbol:
+        if expr not in bindings:
+            raise CodegenError(f"size {expr} depends on data ({expr} unknown); data-dependent shapes cannot cross "
+                               "chunks")
+        return int(bindings[expr])
+    if expr.is_number:
+        return int(expr)
+    args = [_at_zero(a, bindings) for a in expr.args]
+    name = type(expr).__name__
+    if name in ("FloorDiv", "Mod", "PythonMod"):
+        if args[1] == 0:
+            return 0
+        return args[0] // args[1] if name == "FloorDiv" else args[0] % args[1]
+    return int(expr.func(*[sympy.Integer(a) for a in args]))
+
+
 def _size(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
     syms = _FREE.get(expr)
     if syms is None:
@@ -77,7 +99,10 @@ def _size(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
         v = _SIZES.get(key)
         if v is not None:
             return v
-    v = sympy.sympify(expr.xreplace(bindings))
+    try:
+        v = sympy.sympify(expr.xreplace(bindings))
+    except ZeroDivisionError:  # a size divided by a 0 size: the tensor is empty (dipc.capture.size_floordiv)
+        v = sympy.Integer(_at_zero(expr, bindings))
     if not v.is_number:
         raise CodegenError(f"size {expr} depends on data ({v.free_symbols} unknown); data-dependent shapes "
                            "cannot cross chunks")

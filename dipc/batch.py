@@ -128,7 +128,7 @@ class Microbatch:
             for other in self.kinds.get(inst.modality, ()):  # the modality's other kinds: none in this view
                 if other is inst or not other.present(self.data):
                     continue
-                if other.drop_when_empty:
+                if other.drop_when_empty and not other.drop_with_modality:
                     for k in other.keys:
                         view.pop(k, None)
                 else:
@@ -393,6 +393,10 @@ class BatchSpec:
                 subs[inst.modality].extend(ranges)
                 if inst.modality in kinds:
                     sub_kinds.setdefault(inst.modality, []).extend([inst] * len(ranges))
+            for q, inst in enumerate(self.instances):  # an absent kind beside its modality's instances: 0 of it
+                if inst.drop_with_modality and ninst.get(inst.modality) and inst.present(batch) \
+                        and not inst.present(data):
+                    data.update(inst.cut(batch, inst_start[q][s], inst_start[q][s], sample_lo=s))
             for m in kinds:
                 sub_kinds.setdefault(m, [])
             starts = tuple((inst, [x - inst_start[k][s] for x in inst_start[k][s:s + n + 1]])

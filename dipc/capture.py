@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import warnings
 from typing import Any, Mapping
 
@@ -284,6 +285,7 @@ def capture(model: torch.nn.Module, batch: Mapping[str, torch.Tensor], *,
     out.args = ((loss_node,),)
     _prune_to_loss(graph, {n for n in graph.nodes if n.op == "placeholder" and n.name in state_targets
                            and state_targets[n.name][0] == "parameter"})
+    _explicit_view_sizes(graph)
     for n in graph.nodes:
         if n.op == "placeholder" and n.name in value_inputs and n.users:
             raise CaptureError(f"the trace reads the Python value {n.name} = {value_inputs[n.name]!r} as an input; "
@@ -498,6 +500,39 @@ def _ancestors(nodes) -> set:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return seen
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+
+
+def size_floordiv(a, b):
+    """``a // b`` of two sizes, 0 where ``b`` is 0: a size divided by a size that is 0 belongs to a tensor with no
+    element (Qwen2.5-VL's ``(n // 4) * (n // (n // 4))`` rows after its window permutation, at ``n = 0``)."""
+    return a // b if b else 0
+
+
+def size_mod(a, b):
+    """``a % b`` of two sizes, 0 where ``b`` is 0 (as :func:`size_floordiv`)."""
+    return a % b if b else 0
+
+
+def _explicit_view_sizes(graph: torch.fx.Graph) -> None:
+    """Write the size a view's ``-1`` stands for where the trace found it static (a head dim): ``view(x, [n, 3, 2,
+    -1])`` cannot infer ``-1`` when ``n`` is 0 (an instance kind fed as 0 instances, a sub-microbatch without
+    any), though the graph's value is the same for every ``n``; sizes divided by sizes become
+    :func:`size_floordiv` / :func:`size_mod`, defined at 0."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _VIEWS or len(n.args) < 2:
+            continue
+        shape, val = n.args[1], n.meta.get("val")
+        if not isinstance(shape, (list, tuple)) or -1 not in shape or not isinstance(val, torch.Tensor):
+            continue
+        i = list(shape).index(-1)
+        if isinstance(val.shape[i], int):
+            n.args = (n.args[0], [val.shape[i] if j == i else d for j, d in enumerate(shape)]) + tuple(n.args[2:])
+    for n in graph.nodes:  # and a size divided by a 0 size is 0 (every tensor it shapes is empty)
+        if n.op == "call_function" and n.target in (operator.floordiv, operator.mod):
+            n.target = size_floordiv if n.target is operator.floordiv else size_mod
 
 
 def _prune_to_loss(graph: torch.fx.Graph, params: set) -> None:

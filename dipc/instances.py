@@ -53,6 +53,11 @@ class Instances:
             text-only batch, like Hugging Face LLaVA) instead of passing a 0-sized tensor (or, with ``per_sample``,
             the padding slots); a batch may then leave the keys out (per-sample keys may always be left out by a
             batch without instances).
+        drop_with_modality: with ``drop_when_empty``, drop ``keys`` only from a (sub-)microbatch where the
+            modality has no instance of any kind; beside another kind's instances they are passed with 0
+            instances, so one capture serves every mix of kinds.  Set by the compiler for its own capture recipes
+            whose graphs run at 0 instances (:func:`dipc.recipes.runs_empty_kinds`); the unsplit model still gets
+            ``None`` (:meth:`dipc.batch.BatchSpec.eager_view`).
         owner_key: an instance key holding each instance's sample index (non-decreasing); ownership is read from
             it instead of placeholder tokens.
         row_counts: an instance key ``[N, k]`` whose per-instance product is the number of rows the instance owns
@@ -67,6 +72,7 @@ class Instances:
     token_key: str = "input_ids"
     sub_microbatch_size: int = 12
     drop_when_empty: bool = False
+    drop_with_modality: bool = False
     owner_key: str | None = None
     row_counts: str | None = None
     per_sample: bool = False

@@ -199,7 +199,8 @@ class ProgramCacheMixin:
     def _widened(self, data: Mapping[str, Any]) -> Mapping[str, Any]:
         """``data`` to trace: an instance kind with exactly one instance gets it twice (rows, side keys; the text is
         unchanged), so torch.export does not fix that count at 1 (its 0/1 rule) and the capture serves every count
-        of that key set, as one traced at 2 or more does (a trace sees shapes only).  ``data`` itself where the
+        of that key set, as one traced at 2 or more does (a trace sees shapes only); a kind fed as 0 instances
+        (``Instances.drop_with_modality``) gets two of the example batch's.  ``data`` itself where the
         model reads instance values as constants (``static_keys``) or no kind has one instance."""
         if self.static_keys:
             return data
@@ -210,6 +211,15 @@ class ProgramCacheMixin:
             out = dict(data) if out is None else out
             for k, v in inst.cut(data, 0, 1).items():
                 out[k] = torch.cat([v, v])
+        for inst in self.batch_spec.instances:  # a kind fed as 0 instances beside its modality's others
+            if not inst.drop_with_modality or not inst.present(data) or inst.n_instances(data):
+                continue
+            example = self.batch_spec.normalize(self._example_batch)
+            n = inst.n_instances(example)
+            if n:  # traced with 2 of the example's (the trace sees shapes only), so it serves 0 and any count
+                out = dict(data) if out is None else out
+                for k, v in inst.cut(example, 0, min(n, 2)).items():
+                    out[k] = torch.cat([v, v]) if n == 1 else v
         return data if out is None else out
 
     def _candidates(self, traced: Mapping[str, Any]) -> list[Program]:
@@ -258,8 +268,9 @@ class ProgramCacheMixin:
                         for n in g.nodes if n.op == "call_function"]
             if ops(other.graph) != ops(self.program.capture.graph):
                 self.mode_dependent = True
+        empty = frozenset(k for i in self.batch_spec.instances if i.drop_with_modality for k in i.keys)
         for prog in self._candidates(traced):  # a capture fits when every dim static in *its* graph has the
-            if prog.fits(data, traced) and (not self.mode_dependent or prog.training == mode):  # batch's value
+            if prog.fits(data, traced, empty) and (not self.mode_dependent or prog.training == mode):  # batch's value
                 return prog
         if not getattr(self, "allow_capture", True):  # rank 0's background planner: the training process captures
             raise NeedsCapture(f"no capture of {type(self.model).__name__} fits a microbatch with shapes "

@@ -19,7 +19,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["recipe_for"]
+__all__ = ["recipe_for", "runs_empty_kinds"]
+
+
+def runs_empty_kinds(model: torch.nn.Module) -> bool:
+    """Whether the graph of ``model``'s recipe runs with an instance kind of a modality given as 0 instances while
+    another kind has some (Qwen2-VL's videos beside images, :mod:`dipc.recipes_qwen`), so that one capture serves
+    every mix of kinds (``Instances.drop_with_modality``)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in ("qwen2_vl", "qwen2_5_vl")
 
 
 def recipe_for(model: torch.nn.Module) -> Callable | None:

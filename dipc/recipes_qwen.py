@@ -17,7 +17,11 @@ What the recipe changes, and nothing else:
   per image and concatenated again.
 
 A text-only microbatch runs the model's own forward (its trace has no image keys: one more capture, once).  The
-compiler checks the recipe against the model's forward on the example batch, to the bit, before using it.
+recipe's graph also runs with one kind given as 0 instances (``pixel_values_videos [0, C*T*P*P]``,
+``video_grid_thw [0, 3]``: every metadata function returns its empty result then), so the compiler has dipc feed
+an absent kind that way (``Instances.drop_with_modality``) and one capture serves images, videos and both, in
+microbatches and sub-microbatches alike: 2 captures in all.  The compiler checks the recipe against the model's
+forward on the example batch, to the bit, before using it.
 """
 from __future__ import annotations
 
@@ -55,6 +59,14 @@ def _rows_shape(cols: int | None):
         size = (rows.shape[0],) if cols is None else (rows.shape[0], cols)
         return torch.empty(size, dtype=torch.long, device=grid.device)
     return shape
+
+
+def _empty_or(compute: Callable, shape: Callable) -> Callable:
+    """``compute``, or the empty result ``shape`` gives where the grids ``[0, 3]`` hold no instance (a kind absent
+    from the (sub-)microbatch, fed as zero instances)."""
+    def run(grid, *rest):
+        return shape(grid, *rest) if grid.shape[0] == 0 else compute(grid, *rest)
+    return run
 
 
 def _packed_vision_attention(impl: str, rotary: Callable):
@@ -107,8 +119,9 @@ def _window_metadata(visual) -> tuple[str, str]:
         return torch.empty((rows.shape[0] // unit,), dtype=torch.long, device=grid.device)
 
     tag = f"merge={merge}:window={window}:patch={patch}"
-    return (varlen.register_metadata(f"qwen2_5_vl.window_index:{tag}", order, order_shape),
-            varlen.register_metadata(f"qwen2_5_vl.window_segments:{tag}", segments, _rows_shape(None)))
+    return (varlen.register_metadata(f"qwen2_5_vl.window_index:{tag}", _empty_or(order, order_shape), order_shape),
+            varlen.register_metadata(f"qwen2_5_vl.window_segments:{tag}", _empty_or(segments, _rows_shape(None)),
+                                     _rows_shape(None)))
 
 
 def qwen2_vl_recipe(model: torch.nn.Module) -> Callable | None:
@@ -131,9 +144,11 @@ def qwen2_vl_recipe(model: torch.nn.Module) -> Callable | None:
     family = cfg.model_type
     merge = int(visual.spatial_merge_size)
     positions = varlen.register_metadata(f"qwen2_vl.vision_positions:merge={merge}",
-                                         lambda g, r: vision_utils.get_vision_position_ids(g, merge),
+                                         _empty_or(lambda g, r: vision_utils.get_vision_position_ids(g, merge),
+                                                   _rows_shape(2)),
                                          _rows_shape(2))
-    frames = varlen.register_metadata("qwen2_vl.frame_segments", _frame_segments, _rows_shape(None))
+    frames = varlen.register_metadata("qwen2_vl.frame_segments", _empty_or(_frame_segments, _rows_shape(None)),
+                                      _rows_shape(None))
     windows = _window_metadata(visual) if hasattr(visual, "fullatt_block_indexes") else None
     attention = _packed_vision_attention(impl, rotary)
     own_forward = model.forward

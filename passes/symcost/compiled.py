@@ -42,6 +42,55 @@ def _py_funcs() -> dict[str, Callable]:
     }
 
 
+class _ZeroTerm(Exception):
+    """A product divided by a 0 size (its tensor has no element)."""
+
+
+def _at_zero(expr, at: Mapping[Any, int]) -> float:
+    """``expr`` at the sizes ``at`` where some divisor is 0: a quotient or remainder of sizes by 0 is 0, and a
+    product with a factor ``x ** -k`` at ``x = 0`` is 0 (each belongs to a tensor with no element, as the captured
+    graph computes its sizes: :func:`dipc.capture.size_floordiv`)."""
+    def ev(e):
+        if e.is_Symbol:
+            return at[e]
+        if e.is_Number:
+            return float(e)
+        name = type(e).__name__
+        if e.is_Add:
+            out = 0.0
+            for a in e.args:
+                try:
+                    out += ev(a)
+                except _ZeroTerm:
+                    pass
+            return out
+        if e.is_Mul:
+            out = 1.0
+            for a in e.args:
+                out *= ev(a)
+            return out
+        if e.is_Pow:
+            base, exp = ev(e.args[0]), ev(e.args[1])
+            if base == 0 and exp < 0:
+                raise _ZeroTerm
+            return base ** exp
+        args = [ev(a) for a in e.args]
+        if name in ("FloorDiv", "CleanDiv", "CeilDiv", "IntTrueDiv", "FloatTrueDiv", "Mod", "PythonMod"):
+            if args[1] == 0:
+                return 0.0
+            a, b = args
+            return {"FloorDiv": a // b, "CleanDiv": a // b, "CeilDiv": -(-a // b), "IntTrueDiv": a / b,
+                    "FloatTrueDiv": a / b, "Mod": a % b, "PythonMod": a % b}[name]
+        fn = _py_funcs().get(name)
+        if fn is not None:
+            return fn(*args)
+        return float(e.func(*[sympy.Float(a) for a in args]))
+    try:
+        return ev(expr)
+    except _ZeroTerm:
+        return 0.0
+
+
 class _Printer(PythonCodePrinter):
     """Python printer that inlines torch's integer-division sympy functions (``FloorDiv(a, b)`` -> ``a // b``)."""
 
@@ -144,7 +193,11 @@ class CompiledCost:
         key = self._args(bindings)
         hit = self._cache.get(key)
         if hit is None:
-            hit = dict(zip(self.fields, map(float, self._fn(*key))))
+            try:
+                hit = dict(zip(self.fields, map(float, self._fn(*key))))
+            except ZeroDivisionError:  # a size divided by a 0 size: an instance kind fed as 0 instances
+                at = dict(zip(self.symbols, key))
+                hit = {f: float(_at_zero(self.exprs[f], at)) for f in self.fields}
             if len(self._cache) >= self.cache_size:
                 self._cache.clear()
             self._cache[key] = hit

@@ -103,3 +103,58 @@ def test_packed_attention_is_priced_per_segment():
     assert f == 2 * 2 * 12 * 6 * 4 * 2, f  # 2 heads, 12 query rows, 6 keys each, D = 4, QK^T and PV
     assert float(cost.flops_bwd.subs({P: 12, N: 2})) == f + 2 * 2 * 12 * 6 * (3 * 4 + 2 * 4)
     assert {k for k, _ in cost.saved} >= {"metadata"}
+
+
+def test_a_capture_runs_with_an_instance_kind_fed_as_zero_instances():
+    """Sizes divided by sizes (a reshape's ``-1`` worked out by the trace, ``rows // (rows // 4)``) are defined at 0
+    rows in the captured graph (``dipc.capture.size_floordiv``), in the message shapes (``codegen.stage._size``) and
+    in the cost model (``symcost``'s fallback), each taking a quotient by a 0 size as 0; the graph's loss at 0 rows
+    is the eager function's with that input's term absent."""
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv
+
+    from dipc.capture import capture, size_floordiv, size_mod
+    from dipc.codegen.stage import _size
+    from dipc.passes.symcost.compiled import _at_zero
+
+    class Windows(torch.nn.Module):  # rows grouped 4 at a time, as Qwen2.5-VL's window permutation
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(3, 3)
+
+        def forward(self, rows, other):
+            n = rows.shape[0]
+            x = self.w(rows).reshape(n // 4, 4, -1).flip(0).reshape(n // 4 * (n // (n // 4)), -1)
+            return {"loss": x.sum() + other.sum()}
+
+    model = Windows()
+    cap = capture(model, {"rows": torch.randn(20, 3), "other": torch.randn(5)})
+    empty = {"rows": torch.zeros(0, 3), "other": torch.randn(5)}
+    out = cap.graph_module(*cap.arguments(model, empty))
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, empty["other"].sum())
+    assert size_floordiv(7, 0) == 0 and size_floordiv(7, 2) == 3 and size_mod(7, 0) == 0 and size_mod(7, 4) == 3
+    s = sympy.Symbol("s", integer=True, positive=True)
+    rows = FloorDiv(s, 4) * FloorDiv(s, FloorDiv(s, 4))
+    assert _size(rows, {s: 0}) == 0 and _size(rows, {s: 20}) == 20
+    n = sympy.Symbol("n", integer=True, positive=True)
+    flops = s ** 2 / n + 3 * s + 7  # attention over n runs of s / n rows, plus terms that stay
+    assert _at_zero(flops, {s: 0, n: 0}) == 7.0 and _at_zero(flops, {s: 8, n: 2}) == 63.0
+
+
+def test_anyres_bilinear_taps_are_torchs_own():
+    """LLaVA-OneVision's anyres_max down-scaling as the anyres recipe computes it (dipc.recipes_anyres): each
+    output position's two source rows/columns and weights, applied in torch's kernel order, give
+    ``F.interpolate(..., mode="bilinear")``'s values within float32 rounding (its vectorised kernel rounds some
+    positions one ulp apart)."""
+    from dipc.recipes_anyres import _linear_taps
+
+    g = torch.Generator().manual_seed(0)
+    for h, w, oh, ow in ((8, 12, 5, 7), (6, 6, 2, 3), (9, 4, 4, 3)):
+        x = torch.randn(1, 5, h, w, generator=g)
+        want = torch.nn.functional.interpolate(x, [oh, ow], mode="bilinear")
+        ya, yb, hy0, hy1 = _linear_taps(h, oh)
+        xa, xb, wx0, wx1 = _linear_taps(w, ow)
+        hy0, hy1, wx0, wx1 = hy0[:, None], hy1[:, None], wx0[None, :], wx1[None, :]
+        got = hy0 * (wx0 * x[..., ya[:, None], xa[None, :]] + wx1 * x[..., ya[:, None], xb[None, :]]) \
+            + hy1 * (wx0 * x[..., yb[:, None], xa[None, :]] + wx1 * x[..., yb[:, None], xb[None, :]])
+        torch.testing.assert_close(got, want)
