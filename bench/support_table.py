@@ -51,8 +51,9 @@ FAMILIES = {
     "qwen2_vl": ("Qwen2-VL", "transformers Qwen2VLForConditionalGeneration",
                  "patch-packed pixel_values with image_grid_thw values read by the vision rotary positions, the "
                  "per-frame attention split and M-RoPE: captured through dipc's recipe (custom ops compute them per "
-                 "(sub-)microbatch; one capture per set of kinds present, whatever the counts and sizes); videos "
-                 "a second instance kind of the vision tower; sub-microbatches of 1 image or video"),
+                 "(sub-)microbatch; an absent kind runs as 0 instances, so one capture serves every count, size and "
+                 "mix of images and videos); videos a second instance kind of the vision tower; sub-microbatches of "
+                 "1 image or video"),
     "qwen2_5_vl": ("Qwen2.5-VL", "transformers Qwen2_5_VLForConditionalGeneration",
                    "Qwen2-VL's constructs plus windowed vision attention (the patch rows permuted into windows by "
                    "grid values): captured through the same recipe"),
