@@ -36,7 +36,7 @@ from .costing import CostingMixin, _param_weights, _state_weights
 from .inspection import InspectionMixin
 from .planner.planning import check_memory_headroom
 from .programs import ProgramCacheMixin
-from .recipes import recipe_for, runs_empty_kinds
+from .recipes import recipe_for, recipe_variable_dims, runs_empty_kinds
 
 __all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
 
@@ -91,7 +91,11 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self._build = build
         self._warned: set = set()
         self.static_keys = list(static_keys)
-        self.use_recipe = _recipe_agrees(model, example_batch, loss_key)
+        # a capture recipe reads every instance value at run time; static_keys asks for them as trace constants
+        # (re-captured per value), which the recipe's custom ops cannot take: the model's own forward then
+        self.use_recipe = not self.static_keys and _recipe_agrees(model, example_batch, loss_key)
+        if self.use_recipe:  # dims the recipe keeps symbolic that the batch layout would fix (tiles per image)
+            variable |= recipe_variable_dims(model)
         try:
             cap = self._capture(example_batch, first=True)
         except CaptureError as e:

@@ -108,8 +108,9 @@ class Program:
         """True when this program's graph is valid for ``data``: same keys, static dims and static values as its
         capture (:meth:`dipc.capture.Capture.fits`, on ``traced``: ``data`` as the trace saw it), and the trace's
         assertions on data-dependent sizes hold.  ``empty_keys``: instance keys whose graph runs at 0 instances
-        (``Instances.drop_with_modality``): a dim 0 of theirs that is 0 fits whatever lower bound the trace
-        derived for it (torch.export's 0/1 convention carried through a reshape: 8 rows for ``rows // 4 >= 2``)."""
+        (``Instances.drop_with_modality``, set for dipc's own recipes): their dim 0 fits below whatever lower bound
+        the trace derived for it (torch.export's 0/1 convention carried through a reshape: 8 rows for
+        ``rows // 4 >= 2``; one 8x8 Qwen2.5-VL image has 4)."""
         if not self.capture.fits(data if traced is None else traced):
             return False
         bind = self.bind(data)
@@ -117,8 +118,8 @@ class Program:
             v = bind.get(sym)
             # a lower bound of 2 is torch.export's 0/1 convention for every dynamic dim, not the model's: sizes 0
             # and 1 (an image-free or one-image sub-microbatch) run the same graph, as they always did here
-            if v == 0 and empty_keys and self._binds_only(sym, empty_keys):
-                continue
+            if v is not None and lo is not None and v < lo and empty_keys and self._binds_only(sym, empty_keys):
+                continue  # a recipe's size-generic keys: the bound is the 0/1 convention carried through a reshape
             if v is not None and ((lo is not None and lo > 2 and v < lo) or (hi is not None and v > hi)):
                 return False
         return self.sizes is None or not self.sizes.guards or self.sizes.holds(bind)

@@ -293,12 +293,19 @@ class ProgramCacheMixin:
         cap = self._capture(wide)
         if wide is not data and not cap.fits(traced):  # the model fixed the widened count: trace the data itself
             cap = self._capture(data)
+        prog = self._finish_program(cap, data, whole)
+        if wide is not data and not prog.fits(data, traced, empty):  # a bound the widened trace derived excludes
+            prog = self._finish_program(self._capture(data), data, whole)  # the data (no capture made each step)
+        self.programs.append(prog)
+        return prog
+
+    def _finish_program(self, cap, data: Mapping[str, Any], whole: bool) -> Program:
+        """The program of a new capture of ``data``: checked against the eager model (``check``, whole
+        microbatches), labelled, partitioned."""
         if self.check and whole:
             check_capture(self.model, cap, self.batch_spec.eager_view(data), loss_key=self.loss_key)
         annotate_modality(cap.graph, self.rules)
         self._one_segment_labels(cap.graph)
         apply_partition(cap.graph, self.partition)
         place_checks(cap.graph, self.partition)
-        prog = self._program_from(cap)
-        self.programs.append(prog)
-        return prog
+        return self._program_from(cap)

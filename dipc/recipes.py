@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["recipe_for", "runs_empty_kinds"]
+__all__ = ["recipe_for", "recipe_variable_dims", "runs_empty_kinds"]
 
 
 def runs_empty_kinds(model: torch.nn.Module) -> bool:
@@ -27,6 +27,15 @@ def runs_empty_kinds(model: torch.nn.Module) -> bool:
     another kind has some (Qwen2-VL's videos beside images, :mod:`dipc.recipes_qwen`), so that one capture serves
     every mix of kinds (``Instances.drop_with_modality``)."""
     return getattr(getattr(model, "config", None), "model_type", None) in ("qwen2_vl", "qwen2_5_vl")
+
+
+def recipe_variable_dims(model: torch.nn.Module) -> set[tuple[str, int]]:
+    """``(key, dim)`` of instance keys whose size per instance may change from batch to batch under ``model``'s
+    recipe: the tiles per image of LLaVA-NeXT / LLaVA-OneVision's ``pixel_values [N, max_tiles, 3, H, W]`` (the
+    processor pads to each batch's largest tile count; :mod:`dipc.recipes_anyres` reads every tile's rows)."""
+    if getattr(getattr(model, "config", None), "model_type", None) in ("llava_next", "llava_onevision"):
+        return {("pixel_values", 1)}
+    return set()
 
 
 def recipe_for(model: torch.nn.Module) -> Callable | None:

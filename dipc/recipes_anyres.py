@@ -19,7 +19,7 @@ four rows.  So the recipe is:
   model's own ``image_size_to_num_patches``, ``get_anyres_image_grid_shape`` and ``unpad_image`` run on row ids,
   and ``torch.nn.functional.interpolate``'s own weights;
 * the features at the placeholder positions are ``h0 * (w0 * x00 + w1 * x01) + h1 * (w0 * x10 + w1 * x11)`` (the
-  order of torch's CPU bilinear kernel), the newline where the index is -1, written into the text embeddings with
+  order of torch's CPU bilinear kernel; the newline is a last row, index -1), written into the text embeddings with
   ``torch.where`` (the model's ``masked_scatter`` fills the same positions in the same order), and the model's own
   forward runs from ``inputs_embeds`` on.
 
@@ -204,11 +204,12 @@ def anyres_recipe(model: torch.nn.Module) -> Callable | None:
             given.append(batch_num_images)
         idx = varlen.metadata(names[0], given)  # [B, S, 4]
         wts = varlen.metadata(names[1], given).to(rows.dtype)
-        x = rows[idx.clamp(min=0)]  # [B, S, 4, D]
+        # the newline is the last row (-1), so the rows are never empty (a microbatch given 0 images)
+        rows = torch.cat([rows, inner.image_newline.to(rows.dtype)[None]])
+        x = rows[torch.where(idx < 0, rows.shape[0] - 1, idx)]  # [B, S, 4, D]
         h0, h1, w0, w1 = (wts[..., k:k + 1] for k in range(4))
-        picked_rows = h0 * (w0 * x[..., 0, :] + w1 * x[..., 1, :]) + h1 * (w0 * x[..., 2, :] + w1 * x[..., 3, :])
-        newline = inner.image_newline.to(rows.dtype)
-        values = torch.where(idx[..., :1] < 0, newline, picked_rows).to(embeds.device, embeds.dtype)
+        values = h0 * (w0 * x[..., 0, :] + w1 * x[..., 1, :]) + h1 * (w0 * x[..., 2, :] + w1 * x[..., 3, :])
+        values = values.to(embeds.device, embeds.dtype)
         mask = (input_ids == packing.token).unsqueeze(-1)
         embeds = torch.where(mask, values, embeds)
         return own_forward(inputs_embeds=embeds, labels=labels, **rest)

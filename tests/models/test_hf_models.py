@@ -140,9 +140,13 @@ def _onevision_sub_sizes(rank, pp=3):
             assert mbs[images].subs["vision"] == subs and mbs[1 - images].subs["vision"] == [], (size, mbs)
             local_check(model, c, b, 2)
             seen += 1
-    for b in (batches[2], batches[4]):
+    # and a batch whose largest tile count (3: 16x16 images) is not the example's (5): the processor pads each batch
+    # to its own
+    small = hf_vlm.llava_onevision_batch([1, 0, 1, 2, 0, 1], 40, 7, config=cfg, image_hw=((16, 16),))
+    assert small["pixel_values"].shape[1] == 3 and batches[0]["pixel_values"].shape[1] == 5
+    for b in (batches[2], batches[4], small):
         local_check(model, c, b, 2)
-    assert len(c.programs) == 2, f"{len(c.programs)} captures for 5 batches of 0-8 images (want 2)"
+    assert len(c.programs) == 2, f"{len(c.programs)} captures for 6 batches of 0-8 images (want 2)"
     return seen
 
 
@@ -191,6 +195,9 @@ def _qwen_one_capture(rank, world):
                 for b in (batches[1:] if full or cfg.model_type == "qwen2_vl" else batches[1:3]):
                     local_check(model, c, b, 2)
                     seen += 1
+            if cfg.model_type == "qwen2_5_vl":  # 8x8 images: 4 patch rows, under the 8 the window trace derives
+                local_check(model, c, hf_vlm.qwen2_vl_batch([1, 0, 2, 0], 40, 9, config=cfg, image_hw=((8, 8),)), 2)
+                seen += 1
             assert len(c.programs) == 2, f"{type(model).__name__}: {len(c.programs)} captures (want 2)"
             assert all(i.drop_with_modality for i in c.batch_spec.instances)
     # right padding (attention_mask, padded labels ignored as a collator does): M-RoPE skips the padded tokens
@@ -257,7 +264,7 @@ def _check(names):
     if "llava_onevision" in names:
         assert reports[0]["onevision_sub_sizes"] == 6, "LLaVA-OneVision's sub-microbatch sizes were not all checked"
     if "qwen2_vl" in names:
-        want = 21 if os.environ.get("DIPC_FULL") == "1" else 11
+        want = 22 if os.environ.get("DIPC_FULL") == "1" else 12
         assert reports[-1]["qwen_sub_sizes"] == want, "Qwen2-VL's sub-microbatch sizes were not all checked"
     if "llava" in names:
         assert [r["llava_eval"] for r in reports] == [0, 2], "the logits were not compared on the last rank"
