@@ -124,7 +124,6 @@ class Program:
                 return False
         return self.sizes is None or not self.sizes.guards or self.sizes.holds(bind)
 
-
     def _binds_only(self, sym, keys: frozenset) -> bool:
         """Whether ``sym`` is bound from dim 0 of ``keys`` only (and from some)."""
         found = [(k, d) for s, k, d in self.bindings if s == sym]
