@@ -175,9 +175,21 @@ def anyres_recipe(model: torch.nn.Module) -> Callable | None:
     def shape(input_ids, *rest, dtype):
         return torch.empty((*input_ids.shape, 4), dtype=dtype, device=input_ids.device)
 
-    names = (varlen.register_metadata(f"{family}.feature_rows:{tag}", lambda *a: packing.layout(*a)[0],
+    last: list = [None, None]  # the rows op, then the weights op, read the same tensors in one forward: one layout
+
+    def layout(*inputs):
+        held, out = last
+        if held is not None and len(held) == len(inputs) and all(
+                a is b and v == b._version for (a, v), b in zip(held, inputs)):
+            last[:] = [None, None]  # used once: no tensor of this microbatch is kept past its second op
+            return out
+        out = packing.layout(*inputs)
+        last[:] = [[(t, t._version) for t in inputs], out]
+        return out
+
+    names = (varlen.register_metadata(f"{family}.feature_rows:{tag}", lambda *a: layout(*a)[0],
                                       lambda *a: shape(*a, dtype=torch.long)),
-             varlen.register_metadata(f"{family}.feature_weights:{tag}", lambda *a: packing.layout(*a)[1],
+             varlen.register_metadata(f"{family}.feature_weights:{tag}", lambda *a: layout(*a)[1],
                                       lambda *a: shape(*a, dtype=torch.float32)))
     own_forward = model.forward
 
