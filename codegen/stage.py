@@ -23,6 +23,8 @@ import sympy
 import torch
 import torch.fx
 
+from dipc.passes.symcost.compiled import at_zero
+
 __all__ = ["ChunkInput", "ValueMeta", "ChunkModule", "build_chunk_modules", "value_meta", "CodegenError", "chunk_blocks",
            "recompute_prefix", "chunk_layers", "with_outputs", "EXTRA_PREFIX"]
 
@@ -65,28 +67,6 @@ _FREE: dict[Any, tuple] = {}
 _SIZES_MAX = 1 << 16
 
 
-def _at_zero(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
-    """``expr``'s value where a division's divisor is 0, each such quotient (or remainder) taken as 0, as the
-    captured graph computes it (:func:`dipc.capture.size_floordiv`).
-
-    Raises:
-        CodegenError: a symbol has no value."""
-    if expr.is_Symbol:
-        if expr not in bindings:
-            raise CodegenError(f"size {expr} depends on data ({expr} unknown); data-dependent shapes cannot cross "
-                               "chunks")
-        return int(bindings[expr])
-    if expr.is_number:
-        return int(expr)
-    args = [_at_zero(a, bindings) for a in expr.args]
-    name = type(expr).__name__
-    if name in ("FloorDiv", "Mod", "PythonMod"):
-        if args[1] == 0:
-            return 0
-        return args[0] // args[1] if name == "FloorDiv" else args[0] % args[1]
-    return int(expr.func(*[sympy.Integer(a) for a in args]))
-
-
 def _size(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
     syms = _FREE.get(expr)
     if syms is None:
@@ -102,7 +82,11 @@ def _size(expr, bindings: Mapping[sympy.Symbol, int]) -> int:
     try:
         v = sympy.sympify(expr.xreplace(bindings))
     except ZeroDivisionError:  # a size divided by a 0 size: the tensor is empty (dipc.capture.size_floordiv)
-        v = sympy.Integer(_at_zero(expr, bindings))
+        try:
+            v = sympy.Integer(int(at_zero(expr, bindings)))
+        except KeyError as e:
+            raise CodegenError(f"size {expr} depends on data ({e} unknown); data-dependent shapes cannot cross "
+                               "chunks") from None
     if not v.is_number:
         raise CodegenError(f"size {expr} depends on data ({v.free_symbols} unknown); data-dependent shapes "
                            "cannot cross chunks")

@@ -46,10 +46,14 @@ class _ZeroTerm(Exception):
     """A product divided by a 0 size (its tensor has no element)."""
 
 
-def _at_zero(expr, at: Mapping[Any, int]) -> float:
+def at_zero(expr, at: Mapping[Any, int]) -> float:
     """``expr`` at the sizes ``at`` where some divisor is 0: a quotient or remainder of sizes by 0 is 0, and a
     product with a factor ``x ** -k`` at ``x = 0`` is 0 (each belongs to a tensor with no element, as the captured
-    graph computes its sizes: :func:`dipc.capture.size_floordiv`)."""
+    graph computes its sizes: :func:`dipc.capture.size_floordiv`); the message shapes use it too
+    (``codegen.stage._size``).
+
+    Raises:
+        KeyError: a symbol of ``expr`` has no value in ``at``."""
     def ev(e):
         if e.is_Symbol:
             return at[e]
@@ -197,7 +201,7 @@ class CompiledCost:
                 hit = dict(zip(self.fields, map(float, self._fn(*key))))
             except ZeroDivisionError:  # a size divided by a 0 size: an instance kind fed as 0 instances
                 at = dict(zip(self.symbols, key))
-                hit = {f: float(_at_zero(self.exprs[f], at)) for f in self.fields}
+                hit = {f: float(at_zero(self.exprs[f], at)) for f in self.fields}
             if len(self._cache) >= self.cache_size:
                 self._cache.clear()
             self._cache[key] = hit

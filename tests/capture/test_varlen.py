@@ -115,7 +115,7 @@ def test_a_capture_runs_with_an_instance_kind_fed_as_zero_instances():
 
     from dipc.capture import capture, size_floordiv, size_mod
     from dipc.codegen.stage import _size
-    from dipc.passes.symcost.compiled import _at_zero
+    from dipc.passes.symcost.compiled import at_zero
 
     class Windows(torch.nn.Module):  # rows grouped 4 at a time, as Qwen2.5-VL's window permutation
         def __init__(self):
@@ -138,7 +138,7 @@ def test_a_capture_runs_with_an_instance_kind_fed_as_zero_instances():
     assert _size(rows, {s: 0}) == 0 and _size(rows, {s: 20}) == 20
     n = sympy.Symbol("n", integer=True, positive=True)
     flops = s ** 2 / n + 3 * s + 7  # attention over n runs of s / n rows, plus terms that stay
-    assert _at_zero(flops, {s: 0, n: 0}) == 7.0 and _at_zero(flops, {s: 8, n: 2}) == 63.0
+    assert at_zero(flops, {s: 0, n: 0}) == 7.0 and at_zero(flops, {s: 8, n: 2}) == 63.0
 
 
 def test_anyres_bilinear_taps_are_torchs_own():
