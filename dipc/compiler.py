@@ -69,7 +69,8 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                  loss_key: str, build: set[int] | None = None, device=None, auto_b: set[str] | None = None,
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
                  shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1,
-                 balance: str = "time", one_segment: bool = False, progress: bool | None = None):
+                 balance: str = "time", one_segment: bool = False, progress: bool | None = None,
+                 fsdp_size: int = 1):
         self._progress = _Progress(progress)
         self.model = model
         self.one_segment = one_segment
@@ -77,6 +78,9 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self.device = device
         self.pp_size = pp_size
         self.tp_size = tp_size
+        #: FSDP2's shard count on the mesh's "dp" dim (1: parameters whole on every replica), which the memory model
+        #: and the simulator plan for (:meth:`rank_state_parts`, :func:`dipc.sim.simulate.fsdp_seconds`)
+        self.fsdp_size = fsdp_size
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
         self.dynamic = dynamic
         self.loss_key = loss_key
@@ -211,7 +215,8 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
     def runtime(self, group=None, *, mesh=None, n_microbatches: int | None = None, timeout: float = 300.0,
                 recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                 budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
-                bucket_mb: float = 25.0, init=None, simulate_steps: bool = True, planner_cpus=None):
+                bucket_mb: float = 25.0, init=None, simulate_steps: bool = True, planner_cpus=None,
+                data_parallel: str | None = None):
         """This rank's :class:`dipc.runtime.PipelineRuntime` (its chunks' modules, the executor, the planner).
 
         Args:
@@ -227,6 +232,12 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 replica is a pipeline of ``pp_size`` ranks with its own batch and its own planner; after each step
                 the replicas' gradients are all-reduced in buckets of ``bucket_mb`` MiB, weighted so they equal the
                 unsplit model's on the replicas' concatenated batch (see :class:`dipc.runtime.PipelineRuntime`).
+            data_parallel: how the mesh's "dp" dim keeps the parameters: "ddp" (every replica holds them whole;
+                gradients all-reduced in buckets while the last backwards run) or "fsdp" (FSDP2,
+                ``torch.distributed.fsdp.fully_shard`` per chunk: parameters, gradients and optimizer states sharded
+                ``1/dp`` between steps, all-gathered at the step's start and reduce-scattered at its end;
+                :mod:`dipc.runtime.fsdp`); default "fsdp" when compiled with ``fsdp_size`` > 1 (whose value must
+                then be the mesh's "dp" size), else "ddp".  Not with a "tp" dim yet.
             init: for a model built on the meta device: ``init(module)`` runs for every module of which this rank
                 materialises a parameter or buffer (only its own chunks' are: about 1/P of the model), e.g. the
                 model's weight init; then load the weights with ``pipe.load_checkpoint``.
@@ -260,25 +271,17 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 or whose "tp" size (1 without one) is not the compiled ``tp_size``; both ``group`` and ``mesh``;
                 unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
                 ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool;
-                ``planner_cpus`` not a non-empty set of this host's CPU numbers.
+                ``planner_cpus`` not a non-empty set of this host's CPU numbers; ``data_parallel`` not "ddp" or "fsdp",
+                "fsdp" with a "tp" dim, a mesh smaller than the default group or a "dp" size other than the
+                compiled ``fsdp_size``, "ddp" when compiled with ``fsdp_size`` > 1.
         """
         from .runtime import PipelineRuntime
-        from .runtime.mesh import mesh_groups
-        dp_group = tp_mesh = plan_group = None
-        if mesh is not None:
-            if group is not None:
-                raise ValueError("give the pipeline's group or a mesh, not both")
-            group, dp_group, tp_mesh, plan_group = mesh_groups(mesh, self.pp_size, self.tp_size, timeout)
-        elif self.tp_size != 1:
-            raise ValueError(f"the pipeline was compiled with tp_size={self.tp_size}: give a mesh with a 'tp' dim of "
-                             f"{self.tp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., mesh_dim_names=("
-                             "'pp', 'tp'))))")
-        return PipelineRuntime(self, group=group, n_microbatches=n_microbatches, timeout=timeout,
-                               recompute=recompute, memory_limit=memory_limit, schedule=schedule,
-                               budget_s=budget_s, seed=seed, fallback_schedule=fallback_schedule,
-                               plan_wait_s=plan_wait_s, dp_group=dp_group, bucket_mb=bucket_mb, init=init,
-                               simulate_steps=simulate_steps, planner_cpus=planner_cpus, tp_mesh=tp_mesh,
-                               plan_group=plan_group)
+        from .runtime.mesh import runtime_groups
+        return PipelineRuntime(self, n_microbatches=n_microbatches, timeout=timeout, recompute=recompute,
+                               memory_limit=memory_limit, schedule=schedule, budget_s=budget_s, seed=seed,
+                               fallback_schedule=fallback_schedule, plan_wait_s=plan_wait_s, bucket_mb=bucket_mb,
+                               init=init, simulate_steps=simulate_steps, planner_cpus=planner_cpus,
+                               **runtime_groups(self, group, mesh, data_parallel, timeout))
 
 
 #: seconds after which ``dipc.compile(..., progress=None)`` starts printing its phases
@@ -452,7 +455,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             split_points: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
             tp_size: int = 1, balance: str = "time", one_segment: bool = False,
-            memory_headroom: float | None = None, progress: bool | None = None) -> CompiledPipeline:
+            memory_headroom: float | None = None, progress: bool | None = None,
+            fsdp_size: int = 1) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -495,6 +499,11 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             by T (Megatron's column/row split with sequence parallelism) and each block pays two TP all-reduces per
             direction on the profile's ``tp_bandwidth`` (:meth:`CompiledPipeline.tp_comm_seconds`); pipeline
             messages are split over the T GPUs' links.  Default 1.
+        fsdp_size: D, the data-parallel replicas that shard parameters, gradients and optimizer states with FSDP2
+            (``compiled.runtime(mesh=...)`` then runs ``data_parallel="fsdp"`` on a "dp" dim of D ranks): the memory
+            model divides the sharded state by D and keeps the whole parameters and gradients a step holds
+            (:meth:`CompiledPipeline.rank_state_parts`), the simulator adds the step's all-gather and reduce-scatter
+            (:func:`dipc.sim.simulate.fsdp_seconds`).  Default 1 (replicated data parallelism, or none).
         balance: what the partition balances chunks by: "time" (default: the cost model's forward + backward time,
             on ``device`` when given) or "params" (parameter count, as Megatron-LM splits layers; the paper's
             Megatron baseline).
@@ -536,6 +545,11 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"pp_size must be a positive int, got {pp_size!r}")
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    if not isinstance(fsdp_size, int) or isinstance(fsdp_size, bool) or fsdp_size < 1:
+        raise ValueError(f"fsdp_size must be a positive int, got {fsdp_size!r}")
+    if fsdp_size > 1 and tp_size > 1:
+        raise ValueError(f"fsdp_size={fsdp_size} with tp_size={tp_size}: sharded data parallelism together with "
+                         "tensor parallelism is not supported yet")
     if balance not in ("time", "params"):
         raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
     if not isinstance(one_segment, bool):
@@ -577,7 +591,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
                                 static_keys=tuple(static_keys), tp_size=tp_size, balance=balance,
-                                one_segment=bool(one_segment), progress=progress)
+                                one_segment=bool(one_segment), progress=progress, fsdp_size=fsdp_size)
     compiled.memory_headroom = memory_headroom
     if compiled.check:
         check_pipeline(compiled, example_batch)

@@ -219,10 +219,28 @@ class CostingMixin:
         return list(cache[optimizer_states])
 
     def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
-        """Bytes each rank holds all the time: its parameters, their gradients and ``optimizer_states`` optimizer
-        tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank holding them),
-        plus its buffers; per GPU of a tensor-parallel group (:meth:`rank_state_bytes`)."""
+        """Bytes each rank holds all the time: the sum of :meth:`rank_state_parts` (per GPU of a tensor-parallel
+        group, per replica of a sharded data-parallel group, :meth:`rank_state_bytes`)."""
+        return [sum(parts.values()) for parts in self.rank_state_parts(optimizer_states)]
+
+    def rank_state_parts(self, optimizer_states: int = 2) -> list[dict[str, float]]:
+        """Per rank, the bytes per GPU of :meth:`rank_state_bytes` by kind:
+
+        * ``"parameters"``, ``"gradients"``, ``"optimizer"`` (``optimizer_states`` tensors per parameter, plus the
+          fp32 master weight of a 16-bit parameter): what the rank keeps between steps;
+        * ``"buffers"``: its buffers (and frozen parameters), whole;
+        * ``"step"``: what a step holds besides: with ``fsdp_size`` D > 1 (FSDP2, :mod:`dipc.runtime.fsdp`) the
+          unsharded parameters and their gradients, which the runtime all-gathers at the step's start and frees
+          once reduce-scattered at its end (0 otherwise).
+
+        Each distinct tensor of the rank's chunks counts once (a tied weight on every rank holding it).  With
+        ``tp_size`` T a parameter the tensor-parallel split divides (:meth:`tensor_parallel_plan`) counts 1/T.
+        With D > 1 each parameter's kept kinds count FSDP's largest shard, ``ceil(dim0 / D)`` rows (``Shard(0)``,
+        as ``torch.chunk`` splits; the last replicas may hold fewer).  A 16-bit parameter counts as mixed-precision
+        training keeps it (Megatron's default): the 16-bit weight plus an fp32 gradient, fp32 master weight and fp32
+        optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
         tp = self.tensor_parallel_plan()
+        D = getattr(self, "fsdp_size", 1)
         out = []
         for r in range(self.pp_size):
             seen: dict[int, tuple[str, torch.Tensor]] = {}
@@ -234,19 +252,28 @@ class CostingMixin:
                     t = self._state.get(name)
                     if t is not None:
                         seen[id(t)] = (name, t)
-            total = 0.0
+            parts = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "step"), 0.0)
             for name, t in seen.values():
                 numel = t.numel()
                 if tp.shard_dim(name, t.ndim) is not None:
                     numel //= self.tp_size  # the split divides it (plan_tensor_parallel splits only what T divides)
-                n = numel * t.element_size()
+                es = t.element_size()
                 if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
-                    total += n
-                elif t.element_size() < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master, states
-                    total += numel * (t.element_size() + 4 * (2 + optimizer_states))
+                    parts["buffers"] += numel * es
+                    continue
+                kept = numel
+                if D > 1:
+                    rows = t.shape[0] if t.ndim else 1
+                    kept = -(-rows // D) * (numel // rows if rows else 0)
+                    parts["step"] += numel * 2 * es  # the unsharded weight and its gradient, in its dtype
+                parts["parameters"] += kept * es
+                if es < 4:  # mixed precision as Megatron keeps it: fp32 main grad, master weight, states
+                    parts["gradients"] += kept * 4
+                    parts["optimizer"] += kept * 4 * (1 + optimizer_states)
                 else:
-                    total += n * (2 + optimizer_states)
-            out.append(total)
+                    parts["gradients"] += kept * es
+                    parts["optimizer"] += kept * es * optimizer_states
+            out.append(parts)
         return out
 
 

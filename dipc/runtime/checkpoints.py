@@ -186,7 +186,9 @@ class CheckpointsMixin:
         so an unsplit model loads it with ``sd = {"model": model.state_dict()}; dcp.load(sd, checkpoint_id=path,
         no_dist=True); model.load_state_dict(sd["model"])`` (its optimizer likewise, through
         ``get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))``),
-        and a pipeline of any pp size with :meth:`load_checkpoint`.
+        and a pipeline of any pp size with :meth:`load_checkpoint`.  With data parallelism the first replica
+        writes it; with sharded data parallelism (``data_parallel="fsdp"``) every rank writes its shards of each
+        tensor (DCP's DTensor entries, over the default process group, which the mesh must span).
 
         Args:
             checkpoint_id: the checkpoint's directory (as ``torch.distributed.checkpoint.save``).
@@ -204,6 +206,11 @@ class CheckpointsMixin:
         if self.dp_size == 1:
             dcp.save(sd, checkpoint_id=checkpoint_id, process_group=self.plan_group)
             self._write_checksums(checkpoint_id)
+            return
+        if self.fsdp is not None:  # sharded: every replica writes its shards, one checkpoint over every rank
+            group = dist.group.WORLD
+            dcp.save(sd, checkpoint_id=checkpoint_id, process_group=group)
+            self._write_checksums(checkpoint_id, group)
             return
         from ..wire import wait_work
 
@@ -223,10 +230,11 @@ class CheckpointsMixin:
         if float(failed) > 0:
             raise RuntimeError(f"the first data-parallel replica could not write the checkpoint {checkpoint_id!r}")
 
-    def _write_checksums(self, checkpoint_id) -> None:
+    def _write_checksums(self, checkpoint_id, group=None) -> None:
         """After a DCP save: each rank hashes the shard files it wrote (``__<rank>_*.distcp``, BLAKE2b) and rank 0
         writes them all to ``dipc_checksums.json`` in the checkpoint (JSON), which :meth:`load_checkpoint`
-        checks (a collective over the pipeline's ranks; every rank returns once the file is written).
+        checks (a collective over ``group``, the group DCP saved over: default the pipeline's ranks; every rank
+        returns once the file is written).
 
         Raises:
             OSError: rank 0 could not write the file (on every rank)."""
@@ -235,11 +243,13 @@ class CheckpointsMixin:
 
         from ..wire import all_gather_json
 
+        group = self.plan_group if group is None else group
+        me = dist.get_rank(group)
         mine = {os.path.basename(f): _file_digest(f) for f in
-                sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{self.plan_rank}_*.distcp")))}
-        every = all_gather_json(mine, self.plan_group, self.device, self.timeout, "every rank's shard checksums")
+                sorted(glob.glob(os.path.join(str(checkpoint_id), f"__{me}_*.distcp")))}
+        every = all_gather_json(mine, group, self.device, self.timeout, "every rank's shard checksums")
         error = None
-        if self.plan_rank == 0:
+        if me == 0:
             table = {k: v for part in every for k, v in part.items()}
             try:
                 with open(os.path.join(str(checkpoint_id), CHECKSUMS), "w") as f:
@@ -248,7 +258,7 @@ class CheckpointsMixin:
                 error = e
         # no rank returns before the table is written (a rank that reads the checkpoint at once, or exits and tears
         # its process group down while rank 0 still writes, sees it whole)
-        failed = self._ranks_failing(error is not None, f"rank 0's write of {CHECKSUMS}")
+        failed = self._ranks_failing(error is not None, f"rank 0's write of {CHECKSUMS}", group)
         if error is not None:
             raise error
         if failed:
@@ -371,14 +381,15 @@ class CheckpointsMixin:
         raise RuntimeError(f"rank(s) {failed} failed in {what} (their error says why); nothing was loaded on rank "
                            f"{self.rank} either")
 
-    def _ranks_failing(self, failed: bool, what: str) -> list[int]:
-        """The ranks of the pipeline (and of its tensor-parallel groups: the plan group) for which ``failed`` is
-        true (a collective: every rank says whether it failed)."""
+    def _ranks_failing(self, failed: bool, what: str, group=None) -> list[int]:
+        """The ranks of the pipeline (and of its tensor-parallel groups: the plan group), or of ``group``, for which
+        ``failed`` is true (a collective: every rank says whether it failed)."""
         from ..wire import wait_work
 
-        flags = torch.zeros(dist.get_world_size(self.plan_group), dtype=torch.int32, device=self.device)
-        flags[self.plan_rank] = int(failed)
-        wait_work(dist.all_reduce(flags, group=self.plan_group, async_op=True), self.timeout, what)
+        group = self.plan_group if group is None else group
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=self.device)
+        flags[dist.get_rank(group)] = int(failed)
+        wait_work(dist.all_reduce(flags, group=group, async_op=True), self.timeout, what)
         return [r for r, f in enumerate(flags.tolist()) if f]
 
     def state_dict_names(self) -> dict[str, torch.Tensor]:

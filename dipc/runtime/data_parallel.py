@@ -132,10 +132,10 @@ class DataParallelMixin:
     replicas, the gradient buckets' all-reduce): methods of :class:`dipc.runtime.PipelineRuntime`."""
 
     # -- data parallelism
-    def _dp_layout(self) -> dict:
+    def _dp_layout(self, fsdp: bool = False) -> dict:
         """What the data-parallel replicas must share: the partition (chunk, rank, modality, blocks), this rank's
-        parameters and buffers (names, shapes, dtypes: the broadcast and the gradient buckets follow them) and the
-        bucket size."""
+        parameters and buffers (names, shapes, dtypes: the broadcast and the gradient buckets follow them), the
+        bucket size and whether parameters are sharded (FSDP2)."""
         import hashlib
 
         from ..wire import encode_json
@@ -144,9 +144,10 @@ class DataParallelMixin:
         chunks = [[c.index, c.rank, c.modality, list(c.blocks)] for c in comp.partition.chunks]
         state = [[n, list(t.shape), str(t.dtype)] for n, t in self.state_dict_names().items()]
         return {"chunks": hashlib.sha256(encode_json(chunks)).hexdigest()[:16],
-                "state": hashlib.sha256(encode_json(state)).hexdigest()[:16], "bucket_bytes": self.bucket_bytes}
+                "state": hashlib.sha256(encode_json(state)).hexdigest()[:16], "bucket_bytes": self.bucket_bytes,
+                "data_parallel": "fsdp" if fsdp else "ddp"}
 
-    def _dp_check_layout(self) -> None:
+    def _dp_check_layout(self, fsdp: bool = False) -> None:
         """Before any weight moves between replicas: every replica compiled the same partition, holds the same
         tensors on this pipeline rank and buckets gradients alike (else the broadcast and the all-reduces would pair
         unlike tensors).  One all-gather over the data-parallel group, then one all-reduce over the pipeline, so
@@ -157,7 +158,7 @@ class DataParallelMixin:
                 another ``bucket_mb``)."""
         from ..wire import wait_work, all_gather_json
 
-        mine = self._dp_layout()
+        mine = self._dp_layout(fsdp)
         every = all_gather_json(mine, self.dp_group, self.device, self.timeout,
                                 what="data-parallel replicas' layouts")
         diff = sorted({k for o in every for k in o if o[k] != mine[k]})
@@ -167,7 +168,7 @@ class DataParallelMixin:
         if diff or float(bad.item()) > 0:
             what = {"chunks": "the partition (compile every replica from the same example batch and options)",
                     "state": "the parameters and buffers of this pipeline rank",
-                    "bucket_bytes": "bucket_mb"}
+                    "bucket_bytes": "bucket_mb", "data_parallel": "data_parallel ('ddp' or 'fsdp')"}
             detail = "; ".join(what[k] for k in diff) if diff else "another pipeline rank's replicas differ"
             raise ValueError(f"rank {self.rank}: the data-parallel replicas were built differently: {detail}; "
                              "every replica must compile the same model, example batch and options and pass the "
@@ -217,6 +218,8 @@ class DataParallelMixin:
                     pass
                 if self._dp_buckets is not None:
                     self._dp_buckets.drain()
+            if self.fsdp is not None:
+                self.fsdp.release()
             raise
         finally:
             self._dp_buckets = None
@@ -309,7 +312,9 @@ class DataParallelMixin:
         count = self._dp_count(batch) if count is None else count
         total = self._dp_start(count, training, scale=scale)
         self._dp_count_now, self._dp_total = count, total
-        if training:
+        if self.fsdp is not None:  # every replica is here, whatever its batch: FSDP2's all-gathers, chunk order
+            self.fsdp.unshard()
+        elif training:
             scale = 1.0 if self.compiled.batch_spec.loss.kind == "sum" else (count / total if total else 0.0)
             self._dp_buckets = GradBuckets(self.parameters(), self.bucket_bytes, self.dp_group, scale, self.timeout,
                                            self.tp)
@@ -342,8 +347,10 @@ class DataParallelMixin:
                 before the step)."""
         params = self.parameters()
         flags = None
-        b = self._dp_buckets
-        if grads:
+        b, fsdp = self._dp_buckets, self.fsdp
+        if grads and fsdp is not None:
+            flags = torch.tensor([1.0 if fsdp.reached(p) else 0.0 for p in params], dtype=torch.float64)
+        elif grads:
             b.launch_rest()
             flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
         count, total = self._dp_count_now, self._dp_total
@@ -352,7 +359,19 @@ class DataParallelMixin:
             if b is not None:
                 b.drain()
             raise self._dp_failed(why)
-        if grads:
+        if fsdp is not None:
+            if not grads:
+                fsdp.release()
+            else:
+                spec = self.compiled.batch_spec.loss
+                if spec.kind == "token_mean" and not total:
+                    raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token "
+                                     f"in {spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
+                fsdp.reduce(1.0 if spec.kind == "sum" else (count / total if total else 0.0))
+                for p, f in zip(params, h[2:].tolist()):
+                    if f == 0:  # no replica reached it: no gradient, as in the unsplit model
+                        p.grad = None
+        elif grads:
             b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
             spec = self.compiled.batch_spec.loss
             if spec.kind == "token_mean" and not total:  # every replica raises this, and .grad stays as before

@@ -438,11 +438,12 @@ class Executor:
                 raise _PeerFailed(bad[0][0] - 1, bad[0][1])
 
 
-def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = None, tp=None) -> dict:
+def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = None, tp=None, fsdp=None) -> dict:
     """(program id, chunk) -> the chunk module, for the stages of ``ranks``; a program traced on the meta device
     (a meta-device model) first gets its graph's ``device=meta`` constants set to ``device`` (:func:`_on_device`);
     under tensor parallelism (``tp``) its graph is prepared for DTensors
-    (:meth:`dipc.runtime.tensor_parallel.TensorParallel.prepare`)."""
+    (:meth:`dipc.runtime.tensor_parallel.TensorParallel.prepare`); under sharded data parallelism (``fsdp``) it
+    reads the unsharded parameters (:meth:`dipc.runtime.fsdp.FullyShardedParameters.prepare`)."""
     mods = {}
     for k, prog in workload.programs.items():
         st = workload.graph.stages[k]
@@ -454,6 +455,8 @@ def _modules_of(workload: StepWorkload, ranks, device: torch.device | None = Non
                 _on_device(gm, device or torch.device("cpu"))
             if tp is not None:
                 tp.prepare(gm)
+            if fsdp is not None:
+                fsdp.prepare(gm)
             mods[(id(prog), st.chunk)] = gm
     return mods
 

@@ -49,7 +49,8 @@ class FaultExchangeMixin:
                 ``Exception`` (KeyboardInterrupt, SystemExit: the peers get StepFailed).
         """
         mbs = w.microbatches
-        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device, self.tp),
+        ex = Executor(self.rank, w, plan, self.transport, _modules_of(w, {self.rank}, self.device, self.tp,
+                                                                      self.fsdp),
                       self.device, yield_after_post=dist.get_backend(self.group) == "gloo", tp=self.tp)
         if configure is not None:
             configure(ex)

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch.distributed as dist
 
-__all__ = ["mesh_dims", "mesh_groups"]
+__all__ = ["mesh_dims", "mesh_groups", "runtime_groups"]
 
 
 def mesh_dims(mesh) -> dict[str, int | None]:
@@ -44,10 +44,10 @@ def plan_group(mesh, dims: Mapping[str, int | None]):
     return mine
 
 
-def tp_mesh(mesh, dims: Mapping[str, int | None], timeout: float):
-    """This rank's tensor-parallel 1-D mesh, on a process group of its own whose collectives time out after
-    ``timeout`` seconds (the runtime's: a rank whose peer failed mid-stage is not left in a DTensor collective for
-    the default group's 30 minutes).  Every rank of the mesh creates every such group."""
+def sub_mesh(mesh, dims: Mapping[str, int | None], name: str, timeout: float):
+    """This rank's 1-D mesh along the dim ``name`` ("tp" or "dp") of ``mesh``, on a process group of its own whose
+    collectives time out after ``timeout`` seconds (the runtime's: a rank whose peer failed is not left in a DTensor
+    or FSDP collective for the default group's 30 minutes).  Every rank of the mesh creates every such group."""
     import datetime
     import math
 
@@ -56,18 +56,19 @@ def tp_mesh(mesh, dims: Mapping[str, int | None], timeout: float):
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         timeout = 300.0  # the runtime refuses it by name next
 
-    t = mesh.mesh.movedim(dims["tp"], -1).reshape(-1, mesh.size(dims["tp"]))
+    t = mesh.mesh.movedim(dims[name], -1).reshape(-1, mesh.size(dims[name]))
     ranks = [[int(r) for r in row.tolist()] for row in t]
     mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=datetime.timedelta(seconds=timeout))
     me = dist.get_rank()
     row = next(r for r in ranks if me in r)
-    return DeviceMesh.from_group(mine, mesh.device_type, mesh=row, mesh_dim_names=("tp",))
+    return DeviceMesh.from_group(mine, mesh.device_type, mesh=row, mesh_dim_names=(name,))
 
 
-def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0):
-    """``(pipeline group, data-parallel group or None, tensor-parallel 1-D mesh or None, plan group or None)`` of
-    this rank in ``mesh`` (:func:`mesh_dims`; the tensor-parallel mesh: :func:`tp_mesh`, its collectives timing
-    out after ``timeout`` seconds; the plan group: :func:`plan_group`; both with a "tp" dim only).
+def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0, fsdp: bool = False):
+    """``(pipeline group, data-parallel group or None, tensor-parallel 1-D mesh or None, plan group or None,
+    data-parallel 1-D mesh or None)`` of this rank in ``mesh`` (:func:`mesh_dims`; the tensor-parallel mesh:
+    :func:`sub_mesh`, its collectives timing out after ``timeout`` seconds; the plan group: :func:`plan_group`;
+    both with a "tp" dim only; the data-parallel mesh, for FSDP2, with ``fsdp`` and a "dp" dim only).
 
     Raises:
         ValueError: the mesh's dims are not named from "pp", "dp", "tp"; its "pp" size is not ``pp_size``; its "tp"
@@ -83,6 +84,50 @@ def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0):
                          f"compile with dipc.compile(..., tp_size={tp}) so that the cost model plans what runs")
     group = mesh.get_group(dims["pp"])
     dp_group = mesh.get_group(dims["dp"]) if dims["dp"] is not None else None
+    dp_mesh = sub_mesh(mesh, dims, "dp", timeout) if fsdp and dims["dp"] is not None else None
     if dims["tp"] is None:
-        return group, dp_group, None, None
-    return group, dp_group, tp_mesh(mesh, dims, timeout), plan_group(mesh, dims)
+        return group, dp_group, None, None, dp_mesh
+    return group, dp_group, sub_mesh(mesh, dims, "tp", timeout), plan_group(mesh, dims), dp_mesh
+
+
+def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: float) -> dict:
+    """The process groups and meshes of :meth:`dipc.compiler.CompiledPipeline.runtime` (keyword arguments of
+    :class:`dipc.runtime.PipelineRuntime`: ``group``, ``dp_group``, ``tp_mesh``, ``plan_group``, ``dp_mesh``) from
+    its ``group`` or ``mesh`` and ``data_parallel`` (None: "fsdp" when compiled with ``fsdp_size`` > 1, else "ddp").
+
+    Raises:
+        ValueError: as :meth:`~dipc.compiler.CompiledPipeline.runtime` says, on every rank before any group is made.
+    """
+    if data_parallel is None:
+        data_parallel = "fsdp" if compiled.fsdp_size > 1 else "ddp"
+    if data_parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    if data_parallel == "ddp" and compiled.fsdp_size > 1:
+        raise ValueError(f"the pipeline was compiled with fsdp_size={compiled.fsdp_size} (the memory model plans "
+                         "sharded parameters): run it with data_parallel='fsdp', or compile with fsdp_size=1")
+    out = {"group": group, "dp_group": None, "tp_mesh": None, "plan_group": None, "dp_mesh": None}
+    if mesh is None:
+        if compiled.tp_size != 1:
+            raise ValueError(f"the pipeline was compiled with tp_size={compiled.tp_size}: give a mesh with a 'tp' dim "
+                             f"of {compiled.tp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., "
+                             "mesh_dim_names=('pp', 'tp'))))")
+        return out
+    if group is not None:
+        raise ValueError("give the pipeline's group or a mesh, not both")
+    dims = mesh_dims(mesh)
+    if data_parallel == "fsdp":
+        dp = mesh.size(dims["dp"]) if dims["dp"] is not None else 1
+        if dp != compiled.fsdp_size:
+            raise ValueError(f"data_parallel='fsdp' on a mesh whose dp dim has {dp} rank(s), but the pipeline was "
+                             f"compiled with fsdp_size={compiled.fsdp_size}: compile with dipc.compile(..., "
+                             f"fsdp_size={dp}) so that the memory model plans what runs")
+        if dims["tp"] is not None:
+            raise ValueError("data_parallel='fsdp' with a 'tp' dim in the mesh is not supported yet: use "
+                             "data_parallel='ddp' with tensor parallelism")
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(f"data_parallel='fsdp' needs a mesh of every process (its checkpoints are written over "
+                             f"the default group): the mesh has {mesh.size()} ranks, the default group "
+                             f"{dist.get_world_size()}")
+    keys = ("group", "dp_group", "tp_mesh", "plan_group", "dp_mesh")
+    return dict(zip(keys, mesh_groups(mesh, compiled.pp_size, compiled.tp_size, timeout,
+                                      fsdp=data_parallel == "fsdp")))

@@ -52,7 +52,8 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
                  recompute: bool = False, memory_limit: float | None = None, schedule: str = "dip",
                  budget_s: float = 0.0, seed: int = 0, fallback_schedule: str = "1f1b", plan_wait_s: float = 1.0,
                  dp_group=None, bucket_mb: float = 25.0, init: Callable[[torch.nn.Module], None] | None = None,
-                 simulate_steps: bool = True, planner_cpus=None, tp_mesh=None, plan_group=None):
+                 simulate_steps: bool = True, planner_cpus=None, tp_mesh=None, plan_group=None,
+                 dp_mesh=None):
         from ..codegen.templates import template
 
         template(schedule)  # unknown names, bad limits and budgets raise here, on every rank
@@ -138,10 +139,17 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
 
             self.tp = TensorParallel(tp_mesh, compiled.tensor_parallel_plan(tp_mesh.size()), self.device)
             self.tp.shard(compiled)
+        self.fsdp = None  # sharded data parallelism (dipc.runtime.fsdp), with a "dp" mesh and data_parallel="fsdp"
         self._setup_params()
         if self.dp_size > 1:
-            self._dp_check_layout()
+            self._dp_check_layout(fsdp=dp_mesh is not None)
             self._dp_broadcast_state()
+        if dp_mesh is not None and self.dp_size > 1:
+            from .fsdp import FullyShardedParameters
+
+            self.fsdp = FullyShardedParameters(dp_mesh)
+            self.fsdp.shard(compiled, self.rank)
+            self._setup_params()  # the sharded parameters are this rank's now
 
     # -- parameters
     def trace_events(self) -> list[dict]:

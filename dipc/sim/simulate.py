@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 from ..plan import COMPUTE, RECVS, SENDS, Plan, TensorSpec, backward_key, forward_key, offloads
 from ..validation import incoming_messages, replay, stage_keys
 
-__all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds"]
+__all__ = ["SimResult", "simulate_plan", "simulate_workload", "end_of_step_seconds", "fsdp_seconds"]
 
 
 @dataclasses.dataclass
@@ -390,10 +390,24 @@ def _critical_path(plan: Plan, latency: Mapping[str, float]) -> float:
 
 def end_of_step_seconds(compiled, dev) -> float:
     """Seconds of the collectives after a step's last action on profile ``dev``: the loss all-reduce over the
-    pipeline and each tied weight's gradient exchange among its k ranks (k - 1 messages of its bytes each,
-    :func:`dipc.wire.sum_over_ranks`)."""
+    pipeline, each tied weight's gradient exchange among its k ranks (k - 1 messages of its bytes each,
+    :func:`dipc.wire.sum_over_ranks`) and, with ``fsdp_size`` > 1, FSDP2's collectives (:func:`fsdp_seconds`)."""
     return (dev.allreduce_time(4, compiled.pp_size)
-            + sum((len(rs) - 1) * dev.p2p_time(nb) for _, rs, nb in compiled.tied_params()))
+            + sum((len(rs) - 1) * dev.p2p_time(nb) for _, rs, nb in compiled.tied_params())
+            + fsdp_seconds(compiled, dev))
+
+
+def fsdp_seconds(compiled, dev) -> float:
+    """Seconds of a step's FSDP2 collectives on profile ``dev`` (``compiled.fsdp_size`` D > 1; 0 otherwise): each
+    rank all-gathers its chunks' parameters after the step's first header and reduce-scatters their gradients
+    after its last action, neither overlapped with the pipeline's actions (:mod:`dipc.runtime.fsdp`); a ring
+    all-gather or reduce-scatter over D ranks moves half an all-reduce's bytes
+    (:meth:`dipc.sim.device.DeviceProfile.allreduce_time`).  The slowest rank's: the step ends with it."""
+    D = getattr(compiled, "fsdp_size", 1)
+    if D <= 1:
+        return 0.0
+    # "step" holds the unsharded weights and their gradients, of equal bytes: one all-reduce's worth of either
+    return max(dev.allreduce_time(parts["step"] / 2, D) for parts in compiled.rank_state_parts())
 
 
 def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=None,

@@ -13,7 +13,18 @@ def _cat(a, b):
     return {k: torch.cat([a[k], b[k]]) for k in a}
 
 
-def _mesh(rank, world):
+def _whole(t):
+    """A DTensor (an FSDP2 shard) as the whole tensor (a collective over its mesh), else ``t``."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _mesh(rank, world, data_parallel="ddp", out_dir=None):
     import copy
 
     import torch
@@ -33,8 +44,10 @@ def _mesh(rank, world):
     if dp == 1:  # another replica's different initial weights: the runtime starts every replica from the first's
         torch.manual_seed(5)
         model.load_state_dict(pc.vlm(True).state_dict())
-    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2})
-    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01)  # several buckets
+    compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2},
+                            fsdp_size=2 if data_parallel == "fsdp" else 1)
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01,  # several buckets
+                            data_parallel=data_parallel)
     opt, ref_opt = pc.adamw_pair(pipe, ref)
     steps = pc.replica_steps()
     params = dict(ref.named_parameters())
@@ -51,19 +64,37 @@ def _mesh(rank, world):
             g = params[n].grad
             assert (p.grad is None) == (g is None), n
             if g is not None:
-                torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {rank}: {n}: {m}")
-                worst = max(worst, float((p.grad - g).abs().max()))
+                mine_g = _whole(p.grad)
+                torch.testing.assert_close(mine_g, g, rtol=1e-5, atol=1e-7, msg=lambda m: f"rank {rank}: {n}: {m}")
+                worst = max(worst, float((mine_g - g).abs().max()))
         opt.step()
         ref_opt.step()
         for n, p in pipe.named_parameters():
-            torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {n}: {m}")
-        starts = pipe.last_dp_buckets
-        early = sum(i < starts["n_actions"] - 1 for i in starts["started_after"])
+            torch.testing.assert_close(_whole(p.detach()), params[n], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}: {n}: {m}")
+        if data_parallel == "ddp":
+            starts = pipe.last_dp_buckets
+            early = sum(i < starts["n_actions"] - 1 for i in starts["started_after"])
+        else:  # sharded: every replica keeps 1/2 of each parameter (dim 0), the optimizer's states too
+            for n, p in pipe.named_parameters():
+                assert _local(p).shape[0] == (params[n].shape[0] + 1) // 2 - (dp and params[n].shape[0] % 2), n
+                assert _local(opt.state[p]["exp_avg"]).shape == _local(p).shape, n
+            # the bytes this rank keeps between steps, and those a step holds, are the memory model's (FSDP's
+            # largest shards on replica 0, no more on replica 1)
+            nbytes = lambda ts: sum(_local(t).numel() * t.element_size() for t in ts)  # noqa: E731
+            measured = {"parameters": nbytes(pipe.parameters()), "gradients": nbytes(p.grad for p in pipe.parameters()),
+                        "optimizer": nbytes(v for st in opt.state.values() for k, v in st.items() if k != "step"),
+                        "step": 2 * nbytes(u for _, u in pipe.fsdp._pairs)}
+            model_parts = compiled.rank_state_parts()[pipe.rank]
+            for k, v in measured.items():
+                assert (v == model_parts[k]) if dp == 0 or k == "step" else (0 < v <= model_parts[k]), \
+                    (rank, k, v, model_parts[k])
+            early = 1
     with torch.no_grad():
         ev = pipe.step(steps[0][dp])
         torch.testing.assert_close(ev, unsplit_loss(ref, _cat(*steps[0])), rtol=1e-5, atol=1e-6)
     # replica 1's batch is refused on its ranks: every rank of both replicas raises, nothing changes
-    before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    before = {n: _local(p.grad).clone() for n, p in pipe.named_parameters() if p.grad is not None}
     bad = dict(steps[0][dp])
     if dp == 1:
         bad["pixel_values"] = bad["pixel_values"][:1]
@@ -74,7 +105,7 @@ def _mesh(rank, world):
             "BatchError: " in str(err.value), err.value
     for n, p in pipe.named_parameters():
         if n in before:
-            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
     # one replica evaluates while the other trains: both raise, nothing changes
     with pytest.raises(StepFailed, match="trained while the others evaluated"):
         if dp == 0:
@@ -83,7 +114,7 @@ def _mesh(rank, world):
             pipe.step(steps[0][dp])
     for n, p in pipe.named_parameters():
         if n in before:
-            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # a backward that raises on one rank of replica 1, after some of its buckets' all-reduces started: every rank
     # of both replicas raises, nothing changes, and the next steps run
     from dipc.runtime.executor import Executor
@@ -107,7 +138,7 @@ def _mesh(rank, world):
         Executor._backward = real
     for n, p in pipe.named_parameters():
         if n in before:
-            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the failed step"
     # replicas whose gradient scalers disagree: every rank raises before any activation moves, nothing changes
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
     scaler = ShardedGradScaler("cpu", init_scale=2.0 ** (10 + 2 * dp))
@@ -115,7 +146,7 @@ def _mesh(rank, world):
         pipe.step(steps[1][dp], scaler=scaler)
     for n, p in pipe.named_parameters():
         if n in before:
-            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # gradient accumulation over two steps without zero_grad: two backward passes of the unsplit model
     opt.zero_grad()
     ref_opt.zero_grad()
@@ -124,7 +155,7 @@ def _mesh(rank, world):
         unsplit_loss(ref, _cat(mine, theirs)).backward()
     for n, p in pipe.named_parameters():
         if params[n].grad is not None:
-            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(_whole(p.grad), params[n].grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"rank {rank}: accumulated {n}: {m}")
     # a replica whose batch has no labelled token weighs 0 (the concatenated batch's loss is defined); when no
     # replica's has one, every rank raises and nothing changes
@@ -139,19 +170,66 @@ def _mesh(rank, world):
     torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
     for n, p in pipe.named_parameters():
         if params[n].grad is not None:
-            torch.testing.assert_close(p.grad, params[n].grad, rtol=1e-5, atol=1e-7,
+            torch.testing.assert_close(_whole(p.grad), params[n].grad, rtol=1e-5, atol=1e-7,
                                        msg=lambda m: f"rank {rank}: unlabelled replica: {n}: {m}")
-    before = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    before = {n: _local(p.grad).clone() for n, p in pipe.named_parameters() if p.grad is not None}
     with pytest.raises(BatchError, match="no data-parallel replica's batch has a labelled token"):
         pipe.step(unlabelled)
     for n, p in pipe.named_parameters():
         if n in before:
-            assert torch.equal(p.grad, before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
+            assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
+    if data_parallel == "fsdp":
+        _fsdp_state(rank, pipe, ref, opt, out_dir)
     # replicas built differently (another bucket_mb here; another example batch changes the partition): the
     # runtime refuses them on every rank before any weight moves
     with pytest.raises(ValueError, match="built differently: bucket_mb"):
-        compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01 * (1 + dp))
+        compiled.runtime(mesh=mesh, n_microbatches=2, timeout=120, bucket_mb=0.01 * (1 + dp),
+                         data_parallel=data_parallel)
     return worst, early
+
+
+def _fsdp_state(rank, pipe, ref, opt, out_dir):
+    """Sharded parameters: the global gradient norm and clipping, the full state dict and a DCP checkpoint (every
+    replica writing its shards) are the unsplit model's; the checkpoint loads into the unsplit model and back into
+    the pipeline exactly."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import pipeline_cases as pc
+
+    torch.testing.assert_close(pipe.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01),
+                               rtol=1e-5, atol=1e-7)
+    params = dict(ref.named_parameters())
+    for n, p in pipe.named_parameters():
+        if params[n].grad is not None:
+            torch.testing.assert_close(_whole(p.grad), params[n].grad, rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank}: clipped {n}: {m}")
+    full = pipe.full_state_dict()
+    want = ref.state_dict()
+    assert set(full) == set(want)
+    for n in want:
+        torch.testing.assert_close(full[n], want[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    ck = os.path.join(out_dir, "ck_fsdp")
+    pipe.save_checkpoint(ck, opt)
+    dist.barrier()
+    if rank == 0:
+        import torch.distributed.checkpoint as dcp
+        sd = {"model": pc.vlm(True).state_dict()}
+        dcp.load(sd, checkpoint_id=ck, no_dist=True)
+        for n in want:
+            assert torch.equal(sd["model"][n], full[n]), f"{n} read by the unsplit model"
+    snapshot = {n: _local(p).clone() for n, p in pipe.named_parameters()}
+    moments = {n: _local(opt.state[p]["exp_avg"]).clone() for n, p in pipe.named_parameters() if p in opt.state}
+    for p in pipe.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    pipe.load_checkpoint(ck, opt)
+    for n, p in pipe.named_parameters():
+        assert torch.equal(_local(p), snapshot[n]), f"rank {rank}: {n} after load_checkpoint"
+        if n in moments:
+            assert torch.equal(_local(opt.state[p]["exp_avg"]), moments[n]), f"rank {rank}: {n}'s AdamW state"
 
 
 _MAIN = """
@@ -161,7 +239,7 @@ import torch
 torch.set_num_threads(1)
 from test_data_parallel import _mesh
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-res = _mesh(rank, world)
+res = _mesh(rank, world, {mode!r}, {out!r})
 json.dump(list(res), open(os.path.join({out!r}, "rank%d.json" % rank), "w"))
 # every rank done before any tears gloo down: a rank exiting with a live process group while its peers still
 # talk to it aborted once in CI ("terminate called without an active exception")
@@ -170,7 +248,7 @@ torch.distributed.destroy_process_group()
 """
 
 
-def _torchrun(tmp_path, nprocs):
+def _torchrun(tmp_path, nprocs, mode="ddp"):
     """``_mesh`` on ``nprocs`` processes launched by torchrun (the README's launch: its environment, loopback
     rendezvous); returns each rank's result."""
     import json
@@ -182,7 +260,7 @@ def _torchrun(tmp_path, nprocs):
 
     main = tmp_path / "dp_main.py"
     here = os.path.dirname(os.path.abspath(__file__))
-    main.write_text(_MAIN.format(tests=here, shared=os.path.dirname(here), out=str(tmp_path)))
+    main.write_text(_MAIN.format(tests=here, shared=os.path.dirname(here), out=str(tmp_path), mode=mode))
     env = dict(os.environ, PYTHONHASHSEED="0", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
                           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(main)],
@@ -197,3 +275,11 @@ def test_dp_by_pp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(tmp_pa
     assert max(e for e, _ in out) < 1e-6
     # the gradient all-reduce overlaps the step: some bucket started before a rank's last action
     assert sum(n for _, n in out) > 0, out
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_dp_by_pp_mesh_equals_the_unsplit_model(tmp_path):
+    """The same steps, failures and checks with ``data_parallel="fsdp"``: parameters, gradients and AdamW's states
+    sharded over the "dp" dim by FSDP2 (issue 37 scope 3), equal to the unsplit model after gathering."""
+    out = _torchrun(tmp_path, 4, "fsdp")
+    assert max(e for e, _ in out) < 1e-6

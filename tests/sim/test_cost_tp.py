@@ -67,6 +67,37 @@ def test_tp_divides_per_gpu_work_and_memory_and_adds_the_allreduces():
         dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=0)
 
 
+def test_fsdp_shards_the_kept_state_holds_the_step_state_and_adds_its_collectives():
+    """``fsdp_size`` D (issue 37 scope 4): the state kept between steps counts FSDP's largest ``Shard(0)`` piece
+    (ceil(dim0 / D) rows) of every parameter, gradient and optimizer state; a step also holds the whole weights and
+    their gradients; the step ends with the ring all-gather and reduce-scatter of those bytes."""
+    from dipc.sim.simulate import end_of_step_seconds, fsdp_seconds
+
+    dev = DeviceProfile.load("h100")
+    c = {}
+    for d in (1, 4):
+        torch.manual_seed(0)
+        c[d] = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=dev, fsdp_size=d,
+                            sub_microbatch_size={"vision": 2}, check=False, progress=False)
+    for r, (whole, shard) in enumerate(zip(c[1].rank_state_parts(), c[4].rank_state_parts())):
+        params = {id(c[4]._state[n]): c[4]._state[n] for ch in c[4].partition.chunks if ch.rank == r
+                  for n in c[4].program.chunks[ch.index].state_names
+                  if isinstance(c[4]._state[n], torch.nn.Parameter)}
+        rows = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) * 4 for p in params.values())
+        assert shard["parameters"] == shard["gradients"] == rows and shard["optimizer"] == 2 * rows
+        assert whole["step"] == 0 and shard["step"] == 2 * whole["parameters"]
+        assert shard["buffers"] == whole["buffers"]
+        assert c[4].rank_state_bytes()[r] == pytest.approx(sum(shard.values()))
+    assert fsdp_seconds(c[1], dev) == 0
+    t = fsdp_seconds(c[4], dev)
+    assert t == pytest.approx(max(dev.allreduce_time(p["parameters"], 4) for p in c[1].rank_state_parts()))
+    assert end_of_step_seconds(c[4], dev) == pytest.approx(end_of_step_seconds(c[1], dev) + t)
+    with pytest.raises(ValueError, match="fsdp_size must be a positive int, got 0"):
+        dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, fsdp_size=0)
+    with pytest.raises(ValueError, match="run it with data_parallel='fsdp'"):
+        c[4].runtime(data_parallel="ddp")
+
+
 def test_the_efficiency_curve_slows_small_matmuls_only():
     dev = dataclasses.replace(DeviceProfile.load("h800"), matmul_half_flops=1e10)
     big, small = 1e14, 1e8
