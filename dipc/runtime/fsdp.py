@@ -63,7 +63,10 @@ class FullyShardedParameters:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import DTensor
 
+        from .parameters import keep_trace_model
+
         model = compiled.model
+        keep_trace_model(compiled)  # later captures trace a meta copy of the model, not its shards
         seen: set[int] = set()
         old_of: dict[int, torch.nn.Parameter] = {}  # id(sharded) -> original
         for c in compiled.partition.chunks:

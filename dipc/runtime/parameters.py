@@ -21,6 +21,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def keep_trace_model(compiled) -> None:
+    """Before the runtime swaps the model's parameters for DTensors (tensor parallelism, FSDP2): later captures
+    trace a meta-device copy of the model kept now (its tensors' shapes and dtypes only), and are not compared with
+    the eager model (:mod:`dipc.check`), which then holds shards, as those of a meta-device model are not; the
+    pipeline's steps are what the tests compare with the unsplit model."""
+    import copy
+
+    model = compiled.model
+    if getattr(compiled, "_trace_model", None) is None:
+        memo = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            e = torch.empty_like(t, device="meta")
+            memo[id(t)] = torch.nn.Parameter(e, requires_grad=t.requires_grad) \
+                if isinstance(t, torch.nn.Parameter) else e
+        compiled._trace_model = copy.deepcopy(model, memo)
+    compiled.check = False
+
+
 class ParametersMixin:
     """The runtime's parameter methods (:mod:`dipc.runtime.parameters`)."""
 

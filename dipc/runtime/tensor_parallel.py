@@ -21,7 +21,6 @@ backwards (:meth:`TensorParallel.settle`), so the optimizer, clipping and data p
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from typing import Mapping
 
@@ -151,14 +150,10 @@ class TensorParallel:
         kept before the swap.  A collective over the tensor-parallel group: every rank calls it alike."""
         from torch.distributed.tensor import distribute_tensor
 
+        from .parameters import keep_trace_model
+
         model = compiled.model
-        if getattr(compiled, "_trace_model", None) is None:
-            memo = {}
-            for t in list(model.parameters()) + list(model.buffers()):
-                e = torch.empty_like(t, device="meta")
-                memo[id(t)] = torch.nn.Parameter(e, requires_grad=t.requires_grad) \
-                    if isinstance(t, torch.nn.Parameter) else e
-            compiled._trace_model = copy.deepcopy(model, memo)
+        keep_trace_model(compiled)
         new: dict[int, torch.nn.Parameter] = {}
         names = {}
         for n, p in model.named_parameters(remove_duplicate=False):
@@ -176,9 +171,6 @@ class TensorParallel:
                         m._parameters[k] = new[id(v)]
 
         swap(model)
-        # the eager model now holds shards: later captures are not compared with it (dipc.check), as those of a
-        # meta-device model are not; the pipeline's steps are what the tests compare with the unsplit model
-        compiled.check = False
         for k, v in list(compiled._state.items()):
             if id(v) in new:
                 compiled._state[k] = new[id(v)]

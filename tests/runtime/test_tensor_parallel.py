@@ -9,8 +9,8 @@ untouched.  Every memory strategy gives the same gradients on the shards (recomp
 offload in the default suite; all five in the full one).  The full state dict is the unsplit model's; a DCP
 checkpoint written at (pp 2, tp 2) loads into the unsplit model and into the pipeline again; ops DTensor cannot split
 run whole (the reference VLM with tied embeddings, in the default suite).  In the full suite also: the checkpoint at
-(dp 2, pp 2) and back, HF LLaVA with re-captures and bf16 autocast, (dp 2, pp 2, tp 2) on 8 processes, and a failure
-on one TP rank."""
+(dp 2, pp 2) sharded by FSDP2 and back, HF LLaVA with re-captures and bf16 autocast (at (pp 2, tp 2) and at
+(dp 2, pp 2) under FSDP2), (dp 2, pp 2, tp 2) on 8 processes, and a failure on one TP rank."""
 import os
 
 import pytest
@@ -194,7 +194,7 @@ def _vlm(rank, world, out_dir):
     # across mesh shapes (full suite): the (pp 2, tp 2) checkpoint loads at (dp 2, pp 2), and one written there loads
     # back at (pp 2, tp 2), exactly
     other = dipc.compile(pc.vlm(True), pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2},
-                         progress=False)
+                         progress=False, fsdp_size=2)  # (dp 2, pp 2) sharded by FSDP2
     dp_pipe = other.runtime(mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), n_microbatches=2,
                             timeout=120)
     dp_pipe.load_checkpoint(ck)
@@ -348,6 +348,31 @@ def _llava(rank, world, out_dir):
     return worst, worst_amp
 
 
+def _llava_fsdp(rank, world, out_dir):
+    """HF LLaVA at (dp 2, pp 2) sharded by FSDP2 (issue 37 scope 3), both replicas given each step's batch (whose
+    concatenation's loss and gradients are the batch's): new image counts captured while training, then bf16
+    autocast."""
+    import copy
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dipc
+    import pipeline_cases as pc
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = pc.llava()
+    ref = copy.deepcopy(model)
+    bs = pc.llava_batches_mixed()
+    compiled = dipc.compile(model, bs[0], 2, fsdp_size=2, progress=False)
+    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200)
+    worst, _ = _steps(rank, pipe, ref, [bs[2], bs[1], bs[3]])
+    worst_amp, _ = _steps(rank, pipe, ref, [bs[1], bs[2]], autocast=True)
+    pipe.close()
+    return worst, worst_amp
+
+
 def _fault(rank, world, out_dir):
     """A rank of a tensor-parallel group raises in a forward: its peer is left in the stage's collective until the
     runtime's timeout (its group's own), then every rank of the mesh raises the same StepFailed naming the rank
@@ -445,6 +470,14 @@ def test_dp_by_pp_by_tp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(
 @pytest.mark.timeout(400)
 def test_pp_by_tp_mesh_trains_hf_llava_as_the_unsplit_model(tmp_path):
     out = _torchrun(tmp_path, "_llava", timeout=380)
+    assert max(w for w, _ in out) < 1e-4
+
+
+@SLOW
+@pytest.mark.hf
+@pytest.mark.timeout(400)
+def test_dp_by_pp_mesh_sharded_by_fsdp2_trains_hf_llava_as_the_unsplit_model(tmp_path):
+    out = _torchrun(tmp_path, "_llava_fsdp", timeout=380)
     assert max(w for w, _ in out) < 1e-4
 
 
