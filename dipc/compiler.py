@@ -236,8 +236,9 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 gradients all-reduced in buckets while the last backwards run) or "fsdp" (FSDP2,
                 ``torch.distributed.fsdp.fully_shard`` per chunk: parameters, gradients and optimizer states sharded
                 ``1/dp`` between steps, all-gathered at the step's start and reduce-scattered at its end;
-                :mod:`dipc.runtime.fsdp`); default "fsdp" when compiled with ``fsdp_size`` > 1 (whose value must
-                then be the mesh's "dp" size), else "ddp".  Not with a "tp" dim yet.
+                :mod:`dipc.runtime.fsdp`; with a "tp" dim too, FSDP shards the tensor-parallel DTensors); default
+                "fsdp" when compiled with ``fsdp_size`` > 1 (whose value must then be the mesh's "dp" size), else
+                "ddp".
             init: for a model built on the meta device: ``init(module)`` runs for every module of which this rank
                 materialises a parameter or buffer (only its own chunks' are: about 1/P of the model), e.g. the
                 model's weight init; then load the weights with ``pipe.load_checkpoint``.
@@ -272,8 +273,8 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                 unknown ``schedule`` or ``fallback_schedule``, a bad ``memory_limit``, ``budget_s``,
                 ``seed``, ``timeout``, ``n_microbatches`` or ``plan_wait_s``; ``simulate_steps`` not a bool;
                 ``planner_cpus`` not a non-empty set of this host's CPU numbers; ``data_parallel`` not "ddp" or "fsdp",
-                "fsdp" with a "tp" dim, a mesh smaller than the default group or a "dp" size other than the
-                compiled ``fsdp_size``, "ddp" when compiled with ``fsdp_size`` > 1.
+                "fsdp" with a mesh smaller than the default group or a "dp" size other than the compiled
+                ``fsdp_size``, "ddp" when compiled with ``fsdp_size`` > 1.
         """
         from .runtime import PipelineRuntime
         from .runtime.mesh import runtime_groups
@@ -547,9 +548,6 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     if not isinstance(fsdp_size, int) or isinstance(fsdp_size, bool) or fsdp_size < 1:
         raise ValueError(f"fsdp_size must be a positive int, got {fsdp_size!r}")
-    if fsdp_size > 1 and tp_size > 1:
-        raise ValueError(f"fsdp_size={fsdp_size} with tp_size={tp_size}: sharded data parallelism together with "
-                         "tensor parallelism is not supported yet")
     if balance not in ("time", "params"):
         raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
     if not isinstance(one_segment, bool):

@@ -236,7 +236,7 @@ class CostingMixin:
         Each distinct tensor of the rank's chunks counts once (a tied weight on every rank holding it).  With
         ``tp_size`` T a parameter the tensor-parallel split divides (:meth:`tensor_parallel_plan`) counts 1/T.
         With D > 1 each parameter's kept kinds count FSDP's largest shard, ``ceil(dim0 / D)`` rows (``Shard(0)``,
-        as ``torch.chunk`` splits; the last replicas may hold fewer).  A 16-bit parameter counts as mixed-precision
+        as ``torch.chunk`` splits; the last replicas may hold fewer) of the tensor-parallel shard under TP.  A 16-bit parameter counts as mixed-precision
         training keeps it (Megatron's default): the 16-bit weight plus an fp32 gradient, fp32 master weight and fp32
         optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
         tp = self.tensor_parallel_plan()
@@ -255,7 +255,8 @@ class CostingMixin:
             parts = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "step"), 0.0)
             for name, t in seen.values():
                 numel = t.numel()
-                if tp.shard_dim(name, t.ndim) is not None:
+                sd = tp.shard_dim(name, t.ndim)
+                if sd is not None:
                     numel //= self.tp_size  # the split divides it (plan_tensor_parallel splits only what T divides)
                 es = t.element_size()
                 if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
@@ -264,6 +265,8 @@ class CostingMixin:
                 kept = numel
                 if D > 1:
                     rows = t.shape[0] if t.ndim else 1
+                    if sd == 0:  # FSDP shards the tensor-parallel shard's rows
+                        rows //= self.tp_size
                     kept = -(-rows // D) * (numel // rows if rows else 0)
                     parts["step"] += numel * 2 * es  # the unsharded weight and its gradient, in its dtype
                 parts["parameters"] += kept * es

@@ -56,12 +56,11 @@ class FullyShardedParameters:
         no chunk reads stay whole (rank 0 keeps them; they get no gradient).  A collective over the data-parallel
         group: every replica calls it alike.
 
-        Raises:
-            ValueError: a parameter is already a DTensor (tensor parallelism: sharded data parallelism beside it is
-                not supported yet).
+        Under tensor parallelism the parameters are already DTensors on the "tp" slice of the same 2-D mesh
+        (:func:`dipc.runtime.mesh.dp_tp_meshes`): FSDP shards them further, and the unsharded parameters the
+        chunks read are those DTensors again.
         """
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
 
         from .parameters import keep_trace_model
 
@@ -76,10 +75,6 @@ class FullyShardedParameters:
             for n in compiled.chunk_params(c.index):
                 p = compiled._state[n]
                 if isinstance(p, torch.nn.Parameter) and id(p) not in seen and not p.is_meta:
-                    if isinstance(p, DTensor):
-                        raise ValueError(f"parameter {n!r} is already a DTensor: fully sharded data parallelism "
-                                         "together with tensor parallelism is not supported yet (use a mesh "
-                                         "without 'tp', or data_parallel='ddp')")
                     seen.add(id(p))
                     params.append(p)
             if not params:
@@ -142,6 +137,10 @@ class FullyShardedParameters:
             u.grad = None
         for h in self.holders:
             h.unshard()
+
+    def unsharded_parameters(self) -> list[torch.nn.Parameter]:
+        """The unsharded parameters the chunks read, in group order (tensor-parallel DTensors under TP)."""
+        return [u for _, u in self._pairs]
 
     def reached(self, p: torch.nn.Parameter) -> bool:
         """Whether this replica's step gave sharded parameter ``p`` a gradient (on its unsharded parameter, or a

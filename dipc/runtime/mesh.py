@@ -44,24 +44,45 @@ def plan_group(mesh, dims: Mapping[str, int | None]):
     return mine
 
 
-def sub_mesh(mesh, dims: Mapping[str, int | None], name: str, timeout: float):
-    """This rank's 1-D mesh along the dim ``name`` ("tp" or "dp") of ``mesh``, on a process group of its own whose
-    collectives time out after ``timeout`` seconds (the runtime's: a rank whose peer failed is not left in a DTensor
-    or FSDP collective for the default group's 30 minutes).  Every rank of the mesh creates every such group."""
+def _timed_group(mesh, dims: Mapping[str, int | None], name: str, timeout: float):
+    """This rank's process group along the dim ``name`` of ``mesh``, its collectives timing out after ``timeout``
+    seconds, and its ranks.  Every rank of the mesh creates every such group, in the same order."""
     import datetime
     import math
 
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
         timeout = 300.0  # the runtime refuses it by name next
-
     t = mesh.mesh.movedim(dims[name], -1).reshape(-1, mesh.size(dims[name]))
     ranks = [[int(r) for r in row.tolist()] for row in t]
     mine, _ = dist.new_subgroups_by_enumeration(ranks, timeout=datetime.timedelta(seconds=timeout))
     me = dist.get_rank()
-    row = next(r for r in ranks if me in r)
+    return mine, next(r for r in ranks if me in r)
+
+
+def sub_mesh(mesh, dims: Mapping[str, int | None], name: str, timeout: float):
+    """This rank's 1-D mesh along the dim ``name`` ("tp" or "dp") of ``mesh``, on a process group of its own whose
+    collectives time out after ``timeout`` seconds (the runtime's: a rank whose peer failed is not left in a DTensor
+    or FSDP collective for the default group's 30 minutes).  Every rank of the mesh creates every such group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mine, row = _timed_group(mesh, dims, name, timeout)
     return DeviceMesh.from_group(mine, mesh.device_type, mesh=row, mesh_dim_names=(name,))
+
+
+def dp_tp_meshes(mesh, dims: Mapping[str, int | None], timeout: float):
+    """``(dp mesh, tp mesh)``: the two 1-D slices of this rank's 2-D ("dp", "tp") mesh (its pipeline rank's ranks),
+    built on process groups whose collectives time out after ``timeout`` seconds.  FSDP2 shards a tensor-parallel
+    DTensor only over a data-parallel mesh of the same root mesh (``DeviceMesh._concatenate``): hence one 2-D mesh
+    rather than two 1-D ones."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dp_pg, _ = _timed_group(mesh, dims, "dp", timeout)
+    tp_pg, _ = _timed_group(mesh, dims, "tp", timeout)
+    t = mesh.mesh.permute(dims["pp"], dims["dp"], dims["tp"])
+    me = dist.get_rank()
+    slab = next(s for s in t if me in s.reshape(-1).tolist())
+    both = DeviceMesh.from_group([dp_pg, tp_pg], mesh.device_type, mesh=slab.tolist(), mesh_dim_names=("dp", "tp"))
+    return both["dp"], both["tp"]
 
 
 def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0, fsdp: bool = False):
@@ -84,6 +105,9 @@ def mesh_groups(mesh, pp_size: int, tp_size: int, timeout: float = 300.0, fsdp: 
                          f"compile with dipc.compile(..., tp_size={tp}) so that the cost model plans what runs")
     group = mesh.get_group(dims["pp"])
     dp_group = mesh.get_group(dims["dp"]) if dims["dp"] is not None else None
+    if fsdp and dims["dp"] is not None and dims["tp"] is not None:
+        dp_mesh, tp = dp_tp_meshes(mesh, dims, timeout)
+        return group, dp_group, tp, plan_group(mesh, dims), dp_mesh
     dp_mesh = sub_mesh(mesh, dims, "dp", timeout) if fsdp and dims["dp"] is not None else None
     if dims["tp"] is None:
         return group, dp_group, None, None, dp_mesh
@@ -121,9 +145,6 @@ def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: fl
             raise ValueError(f"data_parallel='fsdp' on a mesh whose dp dim has {dp} rank(s), but the pipeline was "
                              f"compiled with fsdp_size={compiled.fsdp_size}: compile with dipc.compile(..., "
                              f"fsdp_size={dp}) so that the memory model plans what runs")
-        if dims["tp"] is not None:
-            raise ValueError("data_parallel='fsdp' with a 'tp' dim in the mesh is not supported yet: use "
-                             "data_parallel='ddp' with tensor parallelism")
         if mesh.size() != dist.get_world_size():
             raise ValueError(f"data_parallel='fsdp' needs a mesh of every process (its checkpoints are written over "
                              f"the default group): the mesh has {mesh.size()} ranks, the default group "

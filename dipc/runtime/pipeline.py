@@ -260,7 +260,7 @@ class PipelineRuntime(ParametersMixin, PlanDeliveryMixin, EvaluationMixin, Check
 
             ex, loss = self._run_plan(w, plan, f"step {self.step_index}", configure)
             if self.tp is not None:  # every gradient in its parameter's placement
-                self.tp.settle(self.parameters())
+                self.tp.settle(self.parameters() if self.fsdp is None else self.fsdp.unsharded_parameters())
 
             zero_unreached_grads(self.compiled, w, {self.rank})
 

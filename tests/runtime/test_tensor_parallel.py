@@ -217,9 +217,15 @@ def _vlm(rank, world, out_dir):
     return worst
 
 
-def _mesh3(rank, world, out_dir):
+def _mesh3_fsdp(rank, world, out_dir):
+    return _mesh3(rank, world, out_dir, fsdp=True)
+
+
+def _mesh3(rank, world, out_dir, fsdp=False):
     """(dp 2, pp 2, tp 2) on 8 processes: each replica's batch differs; loss, gathered gradients, the global
-    gradient norm and the parameters after AdamW equal the unsplit model's on the concatenated batch."""
+    gradient norm and the parameters after AdamW equal the unsplit model's on the concatenated batch.  With
+    ``fsdp``, FSDP2 shards the tensor-parallel DTensors over "dp": the bytes each rank keeps are the memory model's
+    (its largest shards on replica 0) and a checkpoint every rank writes is the unsplit model's state dict."""
     import copy
 
     import torch
@@ -235,7 +241,7 @@ def _mesh3(rank, world, out_dir):
     model = pc.vlm(True)
     ref = copy.deepcopy(model)
     compiled = dipc.compile(model, pc.vlm_batch([1, 1], 12, 0), 2, tp_size=2, sub_microbatch_size={"vision": 2},
-                            progress=False)
+                            progress=False, fsdp_size=2 if fsdp else 1)
     pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200, bucket_mb=0.01)  # several buckets
     opt, ref_opt = pc.adamw_pair(pipe, ref)
     steps = pc.replica_steps()
@@ -259,6 +265,30 @@ def _mesh3(rank, world, out_dir):
         ref_opt.step()
         for n, p in pipe.named_parameters():
             torch.testing.assert_close(_full(p), params[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    if fsdp:
+        nbytes = lambda ts: sum(_local(t).numel() * t.element_size() for t in ts)  # noqa: E731
+        measured = {"parameters": nbytes(pipe.parameters()),
+                    "gradients": nbytes(p.grad for p in pipe.parameters() if p.grad is not None),
+                    "optimizer": nbytes(v for st in opt.state.values() for k, v in st.items() if k != "step"),
+                    "step": 2 * nbytes(pipe.fsdp.unsharded_parameters())}
+        want_parts = compiled.rank_state_parts()[pipe.rank]
+        for k, v in measured.items():
+            assert (v == want_parts[k]) if dp == 0 or k == "step" else (0 < v <= want_parts[k]), \
+                (rank, k, v, want_parts[k])
+        import os
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        full = pipe.full_state_dict()
+        ck = os.path.join(out_dir, "ck3")
+        pipe.save_checkpoint(ck, opt)
+        dist.barrier()
+        if rank == 0:
+            sd = {"model": pc.vlm(True).state_dict()}
+            dcp.load(sd, checkpoint_id=ck, no_dist=True)
+            for n, t in ref.state_dict().items():
+                assert torch.equal(sd["model"][n], full[n]), n
+                torch.testing.assert_close(t, full[n], rtol=1e-4, atol=1e-5)
     pipe.close()
     return worst
 
@@ -462,6 +492,13 @@ def test_pp_by_tp_mesh_equals_the_unsplit_model(tmp_path):
 @pytest.mark.timeout(400)
 def test_dp_by_pp_by_tp_mesh_equals_the_unsplit_model_on_the_concatenated_batch(tmp_path):
     out = _torchrun(tmp_path, "_mesh3", nprocs=8, timeout=380)
+    assert max(out) < 1e-5
+
+
+@SLOW
+@pytest.mark.timeout(400)
+def test_dp_by_pp_by_tp_mesh_sharded_by_fsdp2_equals_the_unsplit_model(tmp_path):
+    out = _torchrun(tmp_path, "_mesh3_fsdp", nprocs=8, timeout=380)
     assert max(out) < 1e-5
 
 
