@@ -111,7 +111,7 @@ def build(name: str, b_i: int | None = None, baseline: str | None = None):
         balance, v = ONE_SEGMENT[baseline]
         kw = {"one_segment": True, "balance": balance, "chunks_per_rank": {"model": v}}
     t = time.perf_counter()
-    compiled = dipc.compile(model, example, pp, tp_size=tp, device="h800", **kw)
+    compiled = dipc.compile(model, example, pp, tp_size=tp, device="h800", sequence_parallel=tp > 1, **kw)
     return compiled, batch_fn, time.perf_counter() - t
 
 
@@ -225,8 +225,11 @@ def main(argv=None) -> int:
                       f"{pp * tp} GPUs, `compiled.runtime(mesh=mesh)`; {split.summary().splitlines()[0]} "
                       f"({len(split.replicated)} 2-D weight(s) left whole)")
     out()
-    out("Each row's mesh as the runtime runs it (one data-parallel replica; the tensor-parallel split is "
-        "`compiled.tensor_parallel_plan()`, the one the static bytes count):")
+    out("Each row's mesh (one data-parallel replica; the tensor-parallel split is `compiled.tensor_parallel_plan()`, "
+        "the one the static bytes count).  The rows model Megatron-LM's sequence parallelism, as the paper's runs use "
+        "it (`dipc.compile(..., sequence_parallel=True)`: norms, residual stream and messages sharded on the "
+        "sequence); dipc's runtime runs the same mesh without it and refuses such a compile: "
+        "`sequence_parallel=False` plans what it runs (norms, residual stream and messages whole on each GPU):")
     out()
     for m in meshes:
         out(m)

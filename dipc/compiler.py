@@ -36,7 +36,7 @@ from .costing import CostingMixin, _param_weights, _state_weights
 from .inspection import InspectionMixin
 from .planner.planning import check_memory_headroom
 from .programs import ProgramCacheMixin
-from .recipes import recipe_for, recipe_variable_dims, runs_empty_kinds
+from .recipes import recipe_agrees, recipe_for, recipe_variable_dims, runs_empty_kinds
 
 __all__ = ["compile", "CompiledPipeline", "Program", "ONE_SEGMENT"]
 
@@ -70,7 +70,7 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
                  check: bool = False, split_points: Mapping[str, Sequence[str]] | None = None,
                  shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (), tp_size: int = 1,
                  balance: str = "time", one_segment: bool = False, progress: bool | None = None,
-                 fsdp_size: int = 1):
+                 fsdp_size: int = 1, sequence_parallel: bool = False):
         self._progress = _Progress(progress)
         self.model = model
         self.one_segment = one_segment
@@ -81,6 +81,9 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         #: FSDP2's shard count on the mesh's "dp" dim (1: parameters whole on every replica), which the memory model
         #: and the simulator plan for (:meth:`rank_state_parts`, :func:`dipc.sim.simulate.fsdp_seconds`)
         self.fsdp_size = fsdp_size
+        #: the cost model divides every op and the messages by ``tp_size`` (Megatron's sequence parallelism), not
+        #: only the split ones (:meth:`dipc.costing.CostingMixin._tp_div`); modelled, not run by the runtime yet
+        self.sequence_parallel = sequence_parallel
         self.rules = dict(modalities) if modalities is not None else dict(DEFAULT_RULES)
         self.dynamic = dynamic
         self.loss_key = loss_key
@@ -97,7 +100,7 @@ class CompiledPipeline(ProgramCacheMixin, CostingMixin, InspectionMixin):
         self.static_keys = list(static_keys)
         # a capture recipe reads every instance value at run time; static_keys asks for them as trace constants
         # (re-captured per value), which the recipe's custom ops cannot take: the model's own forward then
-        self.use_recipe = not self.static_keys and _recipe_agrees(model, example_batch, loss_key)
+        self.use_recipe = not self.static_keys and recipe_agrees(model, example_batch, loss_key)
         if self.use_recipe:  # dims the recipe keeps symbolic that the batch layout would fix (tiles per image)
             variable |= recipe_variable_dims(model)
         try:
@@ -351,37 +354,6 @@ def _check_read_instances(model, example: Mapping[str, Any], instances: Sequence
                 "a function of the batch giving each instance's count>)])") from None
 
 
-def _recipe_agrees(model: torch.nn.Module, batch: Mapping[str, Any], loss_key: str) -> bool:
-    """Whether to capture ``model`` through its recipe (:mod:`dipc.recipes`): one exists and, run eagerly on the
-    example batch (same random state), gives the model's own loss to the bit (within rounding, rtol 1e-5, for a
-    recipe marked ``rounding``: LLaVA-OneVision's bilinear down-scaling as weighted rows); a model on the meta
-    device, which cannot run, is taken through the recipe as its family is.  A recipe that differs is dropped with
-    a warning."""
-    from .check import loss_of
-    recipe = recipe_for(model)
-    if recipe is None:
-        return False
-    if is_meta(model):
-        return True
-    outs = []
-    with torch.no_grad():
-        for fn in (model, recipe):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                try:
-                    outs.append(loss_of(fn(**batch), loss_key))
-                except Exception as e:  # noqa: BLE001 - the model's own forward is captured instead
-                    outs.append(e)
-    if all(isinstance(o, torch.Tensor) for o in outs) and (
-            torch.equal(outs[0], outs[1]) if not getattr(recipe, "rounding", False)
-            else torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)):
-        return True
-    warnings.warn(f"dipc: the capture recipe of {type(model).__name__} does not reproduce its forward on the example "
-                  f"batch ({outs[0]!r} vs {outs[1]!r}); capturing the model's own forward (one capture per image "
-                  "count)", stacklevel=3)
-    return False
-
-
 def _sample_constants(spec: BatchSpec, static_keys: Sequence[str], example: Mapping[str, Any]) -> set[str]:
     """The per-sample keys whose values the trace holds as constants: static keys (read with ``.tolist()``) and
     Python lists with one entry per sample.  Sub-microbatches of a batch with any hold whole samples
@@ -457,7 +429,7 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             shared_keys: Sequence[str] = (), static_keys: Sequence[str] = (),
             tp_size: int = 1, balance: str = "time", one_segment: bool = False,
             memory_headroom: float | None = None, progress: bool | None = None,
-            fsdp_size: int = 1) -> CompiledPipeline:
+            fsdp_size: int = 1, sequence_parallel: bool = False) -> CompiledPipeline:
     """Compile ``model`` for a ``pp_size``-rank modality-aware pipeline (DIP §2.1).
 
     Args:
@@ -495,11 +467,16 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
             gets them as nested lists, is specialised to them, and is re-captured per distinct value (cached).  When
             the first capture fails on a data-dependent size or branch, small integer tensors of the example batch
             (not tokens, labels or token masks) are retried this way, with a warning.
-        tp_size: T, tensor-parallel GPUs per pipeline stage, for the cost model only (the executor runs each
-            stage on one device): with ``device``, per-GPU FLOPs, bytes, activation and parameter memory are divided
-            by T (Megatron's column/row split with sequence parallelism) and each block pays two TP all-reduces per
-            direction on the profile's ``tp_bandwidth`` (:meth:`CompiledPipeline.tp_comm_seconds`); pipeline
-            messages are split over the T GPUs' links.  Default 1.
+        tp_size: T, tensor-parallel GPUs per pipeline stage (``compiled.runtime(mesh=...)`` with a "tp" dim of T
+            ranks): with ``device``, the FLOPs, bytes and kept activations of the ops Megatron's column/row split
+            divides (projections, attention, activations between them) and the split parameters' memory are divided
+            by T per GPU, the rest (norms, residual adds, the loss, messages) counts whole on every GPU, as the
+            runtime runs it; each block pays two TP all-reduces per direction on the profile's ``tp_bandwidth``
+            (:meth:`CompiledPipeline.tp_comm_seconds`).  Default 1.
+        sequence_parallel: with T > 1, plan as Megatron-LM's sequence parallelism runs: every op, the kept
+            activations and the pipeline messages divided by T (each GPU keeps and sends its sequence shard).  For
+            simulation at the paper's scale (``bench/paper.py``): dipc's runtime does not run it yet and refuses a
+            pipeline compiled with it.  Default False.
         fsdp_size: D, the data-parallel replicas that shard parameters, gradients and optimizer states with FSDP2
             (``compiled.runtime(mesh=...)`` then runs ``data_parallel="fsdp"`` on a "dp" dim of D ranks): the memory
             model divides the sharded state by D and keeps the whole parameters and gradients a step holds
@@ -548,6 +525,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
         raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
     if not isinstance(fsdp_size, int) or isinstance(fsdp_size, bool) or fsdp_size < 1:
         raise ValueError(f"fsdp_size must be a positive int, got {fsdp_size!r}")
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
     if balance not in ("time", "params"):
         raise ValueError(f"balance must be 'time' or 'params', got {balance!r}")
     if not isinstance(one_segment, bool):
@@ -589,7 +568,8 @@ def compile(model: torch.nn.Module, example_batch: Mapping[str, torch.Tensor], p
                                 loss_key=loss_key, device=device, auto_b=auto_b, check=bool(check),
                                 split_points=split_points, shared_keys=tuple(shared_keys),
                                 static_keys=tuple(static_keys), tp_size=tp_size, balance=balance,
-                                one_segment=bool(one_segment), progress=progress, fsdp_size=fsdp_size)
+                                one_segment=bool(one_segment), progress=progress, fsdp_size=fsdp_size,
+                                sequence_parallel=sequence_parallel)
     compiled.memory_headroom = memory_headroom
     if compiled.check:
         check_pipeline(compiled, example_batch)

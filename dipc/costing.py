@@ -21,24 +21,56 @@ from .program import Program, _bindings
 class CostingMixin:
     """The compiled pipeline's costing methods (:mod:`dipc.costing`)."""
 
-    def _latency_f(self, c) -> sympy.Expr:
-        """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``tp_size``),
-        built once per node: the chunk and the per-block costs share it."""
+    def _latency_f(self, c, d: int = 1) -> sympy.Expr:
+        """A node's forward seconds on the device profile (``c``: its SymCost; FLOPs and bytes ÷ ``d``, what the
+        tensor-parallel split divides the node by, :meth:`_tp_div`), built once per node: the chunk and the
+        per-block costs share it."""
         memo = self.__dict__.setdefault("_latency_f_memo", {})
-        hit = memo.get(id(c))
+        hit = memo.get((id(c), d))
         if hit is None or hit[0] is not c:
-            T = self.tp_size
-            hit = memo[id(c)] = (c, self.device.op_latency_expr(c.family, c.flops_fwd / T,
-                                                                (c.bytes_read + c.bytes_written) / T))
+            hit = memo[(id(c), d)] = (c, self.device.op_latency_expr(c.family, c.flops_fwd / d,
+                                                                     (c.bytes_read + c.bytes_written) / d))
         return hit[1]
+
+    @property
+    def message_shards(self) -> int:
+        """What a stage's inputs, outputs and pipeline messages are divided by per GPU of its tensor-parallel group:
+        ``tp_size`` with ``sequence_parallel`` (each GPU keeps and sends its sequence shard), else 1 (each GPU of the
+        group holds and sends the whole value, as the runtime does)."""
+        return self.tp_size if getattr(self, "sequence_parallel", False) else 1
+
+    def _latency_b(self, c, d: int = 1) -> sympy.Expr:
+        """A node's backward seconds on the device profile, as :meth:`_latency_f`."""
+        return self.device.op_latency_expr(c.family, c.flops_bwd / d, c.bytes_bwd / d, backward=True)
+
+    def _tp_div(self, cap: Capture):
+        """``node name -> d``: what the tensor-parallel split divides a node's work and outputs by on each GPU of a
+        stage: ``tp_size`` for the ops the split divides (:func:`dipc.passes.tensor_parallel.split_nodes`, on the
+        split of ``cap``'s own graph) and, with ``sequence_parallel``, for every other op too (Megatron-LM's
+        sequence parallelism shards norms, dropout and the residual stream on the sequence); 1 for the others
+        without it (they run whole on every GPU of the group, as the runtime runs them).  Memoised per graph."""
+        T = self.tp_size
+        if T == 1 or getattr(self, "sequence_parallel", False):
+            return lambda name: T
+        from .passes.tensor_parallel import plan_tensor_parallel, split_nodes
+
+        memo = self.__dict__.setdefault("_tp_split_memo", {})
+        hit = memo.get(id(cap.graph))
+        if hit is None or hit[0] is not cap.graph:
+            names = {n: fqn for n, (kind, fqn) in cap.state_targets.items() if kind == "parameter"}
+            shapes = {fqn: tuple(self._state[fqn].shape) for fqn in names.values()}
+            hit = memo[id(cap.graph)] = (cap.graph, split_nodes(cap.graph, plan_tensor_parallel(
+                [cap.graph], names, shapes, T), names))
+        split = hit[1]
+        return lambda name: T if name in split else 1
 
     def _block_costs(self, prog: Program, chunk: int):
         """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
         recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
         nodes save for the backward and ``i<j>`` the bytes of the values it reads from outside itself (what its
         activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
-        all per GPU (÷ ``tp_size``), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
-        T = self.tp_size
+        all per GPU (:meth:`_tp_div`), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
+        div = self._tp_div(prog.capture)
         nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
         layers: list = []
         for n in nodes:
@@ -54,8 +86,8 @@ class CostingMixin:
                     continue
                 c = n.meta.get("dipc_symcost")
                 if c is not None:
-                    fs.append(self._latency_f(c))
-                    acts.append(c.activation_bytes / T)
+                    fs.append(self._latency_f(c, div(n.name)))
+                    acts.append(c.activation_bytes / div(n.name))
                 for a in n.all_input_nodes:
                     if a.op not in ("placeholder", "call_function") or (
                             a.op == "call_function" and a.meta.get("dipc_chunk") == chunk
@@ -64,7 +96,7 @@ class CostingMixin:
                     key, nbytes, is_state = ctx.base(a)
                     if not is_state and key not in stashed:
                         stashed.add(key)
-                        ins.append(nbytes / T)
+                        ins.append(nbytes / div(key.split("[")[0]))
             exprs[f"f{j}"] = sympy.Add(*fs)
             exprs[f"a{j}"] = sympy.Add(*acts)
             exprs[f"i{j}"] = sympy.Add(*ins)
@@ -77,15 +109,13 @@ class CostingMixin:
         floor(T_i / T_1); and every node's forward + backward seconds at those sizes, by which the partition
         balances blocks.  Returns (instances, module latency, node seconds)."""
         annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
-        dev = self.device
-        T = self.tp_size
-        extra = {"latency": lambda c: dev.op_latency_expr(c.family, c.flops_fwd / T, (c.bytes_read + c.bytes_written) / T)
-                 + dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
+        div = self._tp_div(cap)
+        per_node = {"latency": lambda c, n: self._latency_f(c, div(n.name)) + self._latency_b(c, div(n.name))}
         by_mod: dict[str, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":
                 by_mod.setdefault(n.meta["dipc_modality"], []).append(n)
-        costs = {m: compile_costs(ns, extra=extra) for m, ns in by_mod.items()}
+        costs = {m: compile_costs(ns, per_node=per_node) for m, ns in by_mod.items()}
         binds = _bindings(cap)
         example = {}
         ph = {n.name: n for n in cap.graph.nodes if n.op == "placeholder"}
@@ -108,7 +138,7 @@ class CostingMixin:
             if inst.modality in auto_b and eff:
                 peak = max(eff.values())
                 b_i = min(b for b, e in eff.items() if e >= 0.95 * peak)
-                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {dev.name})"
+                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {self.device.name})"
                 inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
             latency[inst.modality] = t.get(b_i, latency[inst.modality])
             at[inst.modality] = at_b(b_i)
@@ -120,7 +150,7 @@ class CostingMixin:
             for n in ns:
                 c = n.meta.get("dipc_symcost")
                 if c is not None:
-                    e = extra["latency"](c)
+                    e = per_node["latency"](c, n)
                     v = seen.get(e)
                     if v is None:
                         v = seen[e] = float(e.xreplace(values))
@@ -128,16 +158,16 @@ class CostingMixin:
         return out, latency, node_seconds
 
     def _chunk_costs(self, cap: Capture) -> dict:
-        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6); with ``tp_size`` T
-        each operator's FLOPs and bytes are divided by T (Megatron's column/row split with sequence parallelism)
-        before the roofline, so small per-GPU matrices pay the profile's efficiency curve.  ``op_peak_bytes``: the
-        output bytes of the chunk's largest op (chosen at the example's sizes), a stage's transient memory."""
+        """Per chunk, its symbolic cost compiled with the device profile's roofline (DIP §2.6), per GPU: with
+        ``tp_size`` T each operator's FLOPs, bytes and kept activations are divided by what the split divides it by
+        (:meth:`_tp_div`: Megatron's column/row split, and with ``sequence_parallel`` every op) before the roofline,
+        so small per-GPU matrices pay the profile's efficiency curve.  ``op_peak_bytes``: the output bytes of the
+        chunk's largest op (chosen at the example's sizes), a stage's transient memory."""
         if not any("dipc_symcost" in n.meta for n in cap.graph.nodes):
             annotate_symbolic_cost(cap.graph, inputs=cap.input_keys)
-        dev = self.device
-        T = self.tp_size
-        extra = {"latency_f": self._latency_f,
-                 "latency_b": lambda c: dev.op_latency_expr(c.family, c.flops_bwd / T, c.bytes_bwd / T, backward=True)}
+        div = self._tp_div(cap)
+        per_node = {"latency_f": lambda c, n: self._latency_f(c, div(n.name)),
+                    "latency_b": lambda c, n: self._latency_b(c, div(n.name)), **self._selective_fields(div)}
         nodes: dict[int, list] = {}
         for n in cap.graph.nodes:
             if n.op == "call_function":
@@ -155,21 +185,22 @@ class CostingMixin:
                 if biggest is None or v > biggest[0]:
                     biggest = (v, sc)
             pick = biggest[1] if biggest else None
-            out[c] = compile_costs(ns, extra={**extra, "op_peak_bytes": lambda sc, pick=pick: sc.bytes_written
-                                              if sc is pick else sympy.Integer(0), **self._selective_fields()})
+            out[c] = compile_costs(ns, per_node={**per_node, "op_peak_bytes": lambda sc, n, pick=pick:
+                                                 sc.bytes_written / div(n.name) if sc is pick else sympy.Integer(0)},
+                                   kept_share=lambda name: sympy.Rational(1, div(name)))
         return out
 
-    def _selective_fields(self) -> dict:
+    def _selective_fields(self, div) -> dict:
         """The two costs of op-selective recompute (Megatron's selective recompute, torch's selective activation
         checkpointing keeping :data:`dipc.passes.symcost.SELECTIVE_SAVED_FAMILIES`): ``selective_keep_bytes``, the
         outputs of the matmuls, attention and convolutions that carry a gradient (what the checkpoint caches
         besides the chunk's inputs), and ``selective_recompute_f``, the forward seconds of every other op (what
-        the backward runs again)."""
-        T = self.tp_size
+        the backward runs again); per GPU (``div``: :meth:`_tp_div`), as fields of ``compile_costs(per_node=)``."""
         saved = SELECTIVE_SAVED_FAMILIES
-        return {"selective_keep_bytes": lambda sc: sc.bytes_written / T if sc.family in saved and sc.flops_bwd != 0
-                else sympy.Integer(0),
-                "selective_recompute_f": lambda sc: sympy.Integer(0) if sc.family in saved else self._latency_f(sc)}
+        return {"selective_keep_bytes": lambda sc, n: sc.bytes_written / div(n.name)
+                if sc.family in saved and sc.flops_bwd != 0 else sympy.Integer(0),
+                "selective_recompute_f": lambda sc, n: sympy.Integer(0) if sc.family in saved
+                else self._latency_f(sc, div(n.name))}
 
     # ------------------------------------------------------------------ inspection
     def chunk_latency(self, chunk: int) -> float:

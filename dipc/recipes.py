@@ -15,11 +15,12 @@ forward).  The compiler checks a recipe against the model's forward on the examp
 """
 from __future__ import annotations
 
-from typing import Callable
+import warnings
+from typing import Any, Callable, Mapping
 
 import torch
 
-__all__ = ["recipe_for", "recipe_variable_dims", "runs_empty_kinds"]
+__all__ = ["recipe_for", "recipe_agrees", "recipe_variable_dims", "runs_empty_kinds"]
 
 
 def runs_empty_kinds(model: torch.nn.Module) -> bool:
@@ -76,3 +77,36 @@ def recipe_for(model: torch.nn.Module) -> Callable | None:
         return own_forward(inputs_embeds=embeds, labels=labels, **rest)
 
     return llava_forward
+
+
+def recipe_agrees(model: torch.nn.Module, batch: Mapping[str, Any], loss_key: str) -> bool:
+    """Whether to capture ``model`` through its recipe (:mod:`dipc.recipes`): one exists and, run eagerly on the
+    example batch (same random state), gives the model's own loss to the bit (within rounding, rtol 1e-5, for a
+    recipe marked ``rounding``: LLaVA-OneVision's bilinear down-scaling as weighted rows); a model on the meta
+    device, which cannot run, is taken through the recipe as its family is.  A recipe that differs is dropped with
+    a warning."""
+    from .capture import is_meta
+    from .check import loss_of
+
+    recipe = recipe_for(model)
+    if recipe is None:
+        return False
+    if is_meta(model):
+        return True
+    outs = []
+    with torch.no_grad():
+        for fn in (model, recipe):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                try:
+                    outs.append(loss_of(fn(**batch), loss_key))
+                except Exception as e:  # noqa: BLE001 - the model's own forward is captured instead
+                    outs.append(e)
+    if all(isinstance(o, torch.Tensor) for o in outs) and (
+            torch.equal(outs[0], outs[1]) if not getattr(recipe, "rounding", False)
+            else torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-7)):
+        return True
+    warnings.warn(f"dipc: the capture recipe of {type(model).__name__} does not reproduce its forward on the example "
+                  f"batch ({outs[0]!r} vs {outs[1]!r}); capturing the model's own forward (one capture per image "
+                  "count)", stacklevel=3)
+    return False

@@ -226,5 +226,5 @@ def anyres_recipe(model: torch.nn.Module) -> Callable | None:
         embeds = torch.where(mask, values, embeds)
         return own_forward(inputs_embeds=embeds, labels=labels, **rest)
 
-    anyres_forward.rounding = packing.onevision  # dipc.compiler._recipe_agrees: within rounding, not to the bit
+    anyres_forward.rounding = packing.onevision  # dipc.recipes.recipe_agrees: within rounding, not to the bit
     return anyres_forward

@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 import torch
 import torch.fx
 
-__all__ = ["TensorParallelPlan", "plan_tensor_parallel", "STYLES"]
+__all__ = ["TensorParallelPlan", "plan_tensor_parallel", "split_nodes", "STYLES"]
 
 #: how a parameter is held by a tensor-parallel group: split on its output rows (a column-parallel linear's weight and
 #: bias), on its input columns (a row-parallel linear's weight), on the vocabulary (an embedding table, an LM head), or
@@ -258,3 +258,36 @@ def plan_tensor_parallel(graphs: Iterable[torch.fx.Graph], param_names: Mapping[
     plan.styles.update(biases)
     return plan
 
+
+def split_nodes(graph: torch.fx.Graph, plan: TensorParallelPlan, param_names: Mapping[str, str]) -> set[str]:
+    """The names of the nodes of ``graph`` whose work ``plan`` divides among the tensor-parallel ranks: every linear
+    whose weight is split (column-, row-parallel, an LM head over the vocabulary) and every op between a
+    column-parallel linear and its row-parallel partner that reads a column-parallel output (attention, activation
+    functions, RoPE on q and k: they run on those outputs' shards).  Everything else - norms, residual adds, an
+    embedding lookup (each rank writes the whole output of its rows), the loss, the ops computing RoPE tables or masks
+    - runs whole on every rank of the group unless sequence parallelism shards it (Megatron-LM's, Korthikanti et al.,
+    2022).
+
+    Args:
+        graph: a capture's graph (parameters as placeholders) or a chunk's (``get_attr`` nodes).
+        plan: the split (:func:`plan_tensor_parallel`).
+        param_names: as :func:`plan_tensor_parallel`'s.
+    """
+    styles = plan.styles
+    out: set[str] = set()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for n in graph.nodes:
+        if not _is_linear(n):
+            continue
+        style = styles.get(_param(n.args[1], param_names))
+        if style in ("colwise", "rowwise", "vocab"):
+            out.add(n.name)
+        if style != "rowwise":
+            continue
+        _, _, region = _walk_back(n.args[0], param_names)
+        inside = {m for m in region if _is_linear(m) and styles.get(_param(m.args[1], param_names)) == "colwise"}
+        for m in sorted(region, key=order.__getitem__):  # graph order: a node reading a split value is split
+            if m not in inside and m.op == "call_function" and any(a in inside for a in m.all_input_nodes):
+                inside.add(m)
+        out.update(m.name for m in inside)
+    return out

@@ -167,7 +167,7 @@ def buffer_reserve(w: StepWorkload, P: int, options: dict | None = None,
     Raises:
         ValueError: ``policy`` is not "whole", "layer" or "group:<g>" with g >= 2."""
     g = _group_size(policy)
-    T = w.tp_size
+    T = w.message_shards
     recv: dict[str, float] = defaultdict(float)
     send: dict[str, float] = defaultdict(float)
     for e in w.graph.edges:

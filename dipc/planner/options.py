@@ -153,7 +153,7 @@ def group_rebuild_need(options, g: int) -> float:
 
 def _input_bytes(w: StepWorkload, fk: str) -> float:
     """Bytes per GPU of a forward stage's inputs: the values it receives and the batch keys it reads (divided by
-    the cost model's ``tp_size``: with sequence parallelism each GPU of a stage keeps its shard)."""
+    the workload's ``message_shards``: with sequence parallelism each GPU of a stage keeps its shard)."""
     prog = w.programs[fk]
     st = w.graph.stages[fk]
     cm = prog.chunks[st.chunk]
@@ -169,4 +169,4 @@ def _input_bytes(w: StepWorkload, fk: str) -> float:
                 for d in meta.concrete_shape(w.bindings[pk]):
                     n *= d
                 total += n * meta.dtype.itemsize
-    return total / w.tp_size
+    return total / w.message_shards

@@ -200,7 +200,7 @@ class _StepPlanner:
         self.compiled, self.workload, self.step, self.t, self.ilp = compiled, workload, step, t, ilp
         self.chunk_ranks = [c.rank for c in compiled.partition.chunks]
         dev = compiled.device
-        T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
+        T = compiled.message_shards  # with sequence parallelism each GPU sends its shard over its own link
         self.comm = comm_seconds(dev, T) if dev is not None else None
         self.limits = activation_budget(compiled, memory_limit, optimizer_states, static_bytes)
         room = headroom_bytes(compiled, memory_limit) if any(x is not None for x in self.limits) else 0.0

@@ -49,6 +49,8 @@ class StepWorkload:
     empty: dict
     graph: StageGraph
     tp_size: int = 1
+    #: what stage inputs and messages are divided by per GPU (:attr:`dipc.costing.CostingMixin.message_shards`)
+    message_shards: int = 1
     amp: tuple[str, str] | None = None  # (device type, dtype) of the torch.autocast the step runs under
     host_bandwidth: float | None = None
     mem_bandwidth: float | None = None
@@ -191,9 +193,9 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
         if cost is not None:  # symbolic cost on the device profile, at this stage's own sizes
             tp = compiled.tp_comm_seconds(prog, c, bind) if compiled.tp_size > 1 else 0.0
             lat = {"F": cost["latency_f"] + tp, "B": cost["latency_b"] + tp}
-            act = cost["activation_bytes"] / compiled.tp_size
+            act = cost["activation_bytes"]  # per GPU already (the tensor-parallel split, dipc.costing._tp_div)
             # the largest op's output while the forward runs; the backward holds its gradient and its input's
-            op = cost.get("op_peak_bytes", 0.0) / compiled.tp_size
+            op = cost.get("op_peak_bytes", 0.0)
             transient = {"F": op, "B": 2 * op}
         else:  # first estimate: the example's cost scaled by tokens / instances, backward = 2 x forward
             if not ex_units:
@@ -297,6 +299,7 @@ def build_workload(compiled, microbatches: list[Microbatch], amp: tuple[str, str
                  for (s, d), t in edges.items()]
     return StepWorkload(microbatches=microbatches, programs=programs, data=data, bindings=bindings, wiring=wiring,
                         empty=empty, graph=StageGraph(stages=stages, edges=edge_list), tp_size=compiled.tp_size,
+                        message_shards=compiled.message_shards,
                         amp=amp, host_bandwidth=_host_bandwidth(compiled.device),
                         mem_bandwidth=getattr(compiled.device, "mem_bandwidth", None))
 

@@ -126,6 +126,9 @@ def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: fl
         data_parallel = "fsdp" if compiled.fsdp_size > 1 else "ddp"
     if data_parallel not in ("ddp", "fsdp"):
         raise ValueError(f"data_parallel must be 'ddp' or 'fsdp', got {data_parallel!r}")
+    if compiled.tp_size > 1 and getattr(compiled, "sequence_parallel", False):
+        raise ValueError("the pipeline was compiled with sequence_parallel=True, which the cost model plans but the "
+                         "runtime does not run yet: compile with sequence_parallel=False (the default) to train")
     if data_parallel == "ddp" and compiled.fsdp_size > 1:
         raise ValueError(f"the pipeline was compiled with fsdp_size={compiled.fsdp_size} (the memory model plans "
                          "sharded parameters): run it with data_parallel='fsdp', or compile with fsdp_size=1")

@@ -419,7 +419,7 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
         static_bytes = compiled.rank_state_bytes(optimizer_states)
     if comm_time is None and compiled.device is not None:
         dev = compiled.device
-        T = compiled.tp_size  # each of a stage's T GPUs sends its shard over its own link
+        T = compiled.message_shards  # with sequence parallelism each GPU sends its shard over its own link
         comm_time = lambda tensors: dev.p2p_time(sum(t.nbytes for t in tensors) / T)  # noqa: E731
     lat = {k: s.latency for k, s in w.graph.stages.items()}
     act = {k: s.activation_bytes for k, s in w.graph.stages.items() if s.kind == "F"}
@@ -438,12 +438,12 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
                 again -= offload.get(forward_key(k), 0.0)
             if again is not None and again > 0:
                 transient[k] = transient.get(k, 0.0) + again
-    T = compiled.tp_size
-    buffers = lambda tensors: sum(t.nbytes for t in tensors) / T  # noqa: E731  (each GPU holds its shard)
+    T = compiled.message_shards
+    buffers = lambda tensors: sum(t.nbytes for t in tensors) / T  # noqa: E731  (each GPU holds its shard, or all)
     post, epilogue = 0.0, 0.0
     dev = compiled.device
     if dev is not None:
-        post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors) / compiled.tp_size)  # noqa: E731
+        post = lambda tensors: dev.post_time(sum(t.nbytes for t in tensors) / T)  # noqa: E731
         epilogue = dev.step_overhead + end_of_step_seconds(compiled, dev)
     res = simulate_plan(plan, lat, activation_bytes=act, comm_time=comm_time, static_bytes=static_bytes,
                         post_overhead=post, epilogue=epilogue, rendezvous=None if dev is None else dev.p2p_latency,

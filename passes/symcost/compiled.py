@@ -225,7 +225,9 @@ class CompiledCost:
 
 
 def compile_costs(nodes: Iterable[torch.fx.Node], *,
-                  extra: Mapping[str, Callable[[SymCost], sympy.Expr]] | None = None) -> CompiledCost:
+                  extra: Mapping[str, Callable[[SymCost], sympy.Expr]] | None = None,
+                  per_node: Mapping[str, Callable[[SymCost, torch.fx.Node], sympy.Expr]] | None = None,
+                  kept_share: Callable[[str], Any] | None = None) -> CompiledCost:
     """Sum the :class:`SymCost` of ``nodes`` (e.g. one chunk's) and compile the sums for fast evaluation.
 
     Args:
@@ -233,6 +235,9 @@ def compile_costs(nodes: Iterable[torch.fx.Node], *,
             placeholders, are skipped: a placeholder the list reads counts as an input).
         extra: name -> per-node expression (from its :class:`SymCost`) to sum and compile as well, e.g. a roofline
             latency ``lambda c: sympy.Max(c.flops_fwd / F, (c.bytes_read + c.bytes_written) / B)``.
+        per_node: as ``extra``, from the :class:`SymCost` and the node (e.g. a tensor-parallel split per node).
+        kept_share: a saved storage's node name -> the share of its bytes to count (default 1; e.g. 1/T for a
+            tensor-parallel rank's shard): applied to ``activation_bytes``.
 
     Returns:
         a :class:`CompiledCost`; ``compile_costs(nodes)(program.bind(microbatch))`` -> ``{field: float}``.
@@ -242,7 +247,7 @@ def compile_costs(nodes: Iterable[torch.fx.Node], *,
     terms: dict[str, list] = {f: [] for f in FIELDS if f != "activation_bytes"}
     fam_flops: dict[str, list] = {}
     fam_bytes: dict[str, list] = {}
-    extras: dict[str, list] = {k: [] for k in (extra or {})}
+    extras: dict[str, list] = {k: [] for k in [*(extra or {}), *(per_node or {})]}
     saved: dict[str, sympy.Expr] = {}
     inputs: dict[str, sympy.Expr] = {}
     for n in nodes:
@@ -259,6 +264,8 @@ def compile_costs(nodes: Iterable[torch.fx.Node], *,
             saved.setdefault(key, b)
         for k, fn in (extra or {}).items():
             extras[k].append(fn(c))
+        for k, fn in (per_node or {}).items():
+            extras[k].append(fn(c, n))
         for a in n.all_input_nodes:
             if a in inside or a.name in inputs:
                 continue
@@ -267,7 +274,8 @@ def compile_costs(nodes: Iterable[torch.fx.Node], *,
             if a.op in ("placeholder", "call_function") and _is_tensor(a.meta.get("val")):
                 inputs[a.name] = _bytes(a.meta["val"])
     exprs: dict[str, sympy.Expr] = {f: sympy.Add(*terms[f]) for f in terms}
-    exprs["activation_bytes"] = sympy.Add(*saved.values())
+    exprs["activation_bytes"] = sympy.Add(*(b * kept_share(k.split("[")[0]) if kept_share else b
+                                            for k, b in saved.items()))
     exprs = {f: exprs[f] for f in FIELDS}
     exprs["input_bytes"] = sympy.Add(*inputs.values())
     for fam in sorted(fam_flops):

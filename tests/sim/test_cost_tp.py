@@ -29,13 +29,14 @@ def test_tp_divides_per_gpu_work_and_memory_and_adds_the_allreduces():
                                backward_overhead=0.0)
     b = pc.vlm_batch([2, 1, 0, 1], 16, 3)
     got = {}
-    for tp in (1, 2):
+    for tp, sp in ((1, False), (2, True), (2, False)):
         torch.manual_seed(0)
         c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, device=base, tp_size=tp,
-                         sub_microbatch_size={"vision": 2}, chunks_per_rank={"vision": 1, "text": 2}, check=False)
+                         sub_microbatch_size={"vision": 2}, chunks_per_rank={"vision": 1, "text": 2}, check=False,
+                         sequence_parallel=sp)
         w = build_workload(c, split_for(c, b, 2))
-        got[tp] = (c, w)
-    (c1, w1), (c2, w2) = got[1], got[2]
+        got[tp if sp or tp == 1 else "no sp"] = (c, w)
+    (c1, w1), (c2, w2), (c3, w3) = got[1], got[2], got["no sp"]  # c2: sequence parallel, c3: as the runtime runs
     # the split weights count half (parameter, gradient and AdamW's two states: 4 fp32 copies), the rest whole
     tp = c2.tensor_parallel_plan()
     assert tp.pairs and tp.styles
@@ -62,7 +63,26 @@ def test_tp_divides_per_gpu_work_and_memory_and_adds_the_allreduces():
         assert s2.latency - comm == pytest.approx(s1.latency / 2, rel=1e-6), k
         if s1.kind == "F":
             assert s2.activation_bytes == pytest.approx(s1.activation_bytes / 2)
+        # without sequence parallelism the norms, residual adds and loss run whole on each GPU: between the two
+        s3 = w3.graph.stages[k]
+        assert s2.latency < s3.latency < s1.latency + comm, k
+        if s1.kind == "F":
+            assert s2.activation_bytes < s3.activation_bytes < s1.activation_bytes, k
     assert n_comm == len(w1.graph.stages)
+    assert (c2.message_shards, c3.message_shards, w2.message_shards, w3.message_shards) == (2, 1, 2, 1)
+    # what the split divides: the projections, attention and the ops between; not the norms or the embedding
+    from dipc.passes.tensor_parallel import plan_tensor_parallel, split_nodes
+    cap = c3.program.capture
+    names = {n: fqn for n, (kind, fqn) in cap.state_targets.items() if kind == "parameter"}
+    split = split_nodes(cap.graph, c3.tensor_parallel_plan(), names)
+    by_name = {n.name: n for n in cap.graph.nodes}
+    targets = {by_name[x].target for x in split}
+    assert torch.ops.aten.linear.default in targets and torch.ops.aten.scaled_dot_product_attention.default in targets
+    assert not targets & {torch.ops.aten.layer_norm.default, torch.ops.aten.native_layer_norm.default,
+                          torch.ops.aten.embedding.default}, targets
+    assert split_nodes(cap.graph, plan_tensor_parallel([cap.graph], names, {}, 1), names) == set()
+    with pytest.raises(ValueError, match="sequence_parallel=True, which the cost model plans but the runtime"):
+        c2.runtime()
     with pytest.raises(ValueError, match="tp_size must be a positive int, got 0"):
         dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, tp_size=0)
 
