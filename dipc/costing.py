@@ -67,7 +67,7 @@ class CostingMixin:
     def _block_costs(self, prog: Program, chunk: int):
         """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
         recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
-        nodes save for the backward and ``i<j>`` the bytes of the values it reads from outside itself (what its
+        nodes save for the backward (a storage saved by several layers at the last of them) and ``i<j>`` the bytes of the values it reads from outside itself (what its
         activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
         all per GPU (:meth:`_tp_div`), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
         div = self._tp_div(prog.capture)
@@ -78,16 +78,27 @@ class CostingMixin:
                 layers.append(n.meta.get("dipc_layer"))
         ctx = GraphContext(prog.capture.graph, prog.capture.input_keys)
         stashed: set = set()  # storages already held by an earlier layer's checkpoint (one copy in memory)
+        # a storage several layers save (a RoPE table, a mask, a residual) is kept while any of them is: it counts
+        # once, at the last layer saving it, so the layers after k sum to what "recompute:k" keeps, and all of them
+        # to the chunk's own figure
+        last: dict[str, tuple[int, sympy.Expr]] = {}
+        for n in nodes:
+            c = n.meta.get("dipc_symcost")
+            for key, nbytes in (c.saved if c is not None else ()):
+                first = last.get(key, (None, nbytes))[1]
+                last[key] = (layers.index(n.meta.get("dipc_layer")), first)
+        kept_by: dict[int, list] = {}
+        for key, (j, nbytes) in last.items():
+            kept_by.setdefault(j, []).append(nbytes / div(key.split("[")[0]))
         exprs = {}
         for j, v in enumerate(layers):
-            fs, acts, ins = [], [], []
+            fs, acts, ins = [], kept_by.get(j, []), []
             for n in nodes:
                 if n.meta.get("dipc_layer") != v:
                     continue
                 c = n.meta.get("dipc_symcost")
                 if c is not None:
                     fs.append(self._latency_f(c, div(n.name)))
-                    acts.append(c.activation_bytes / div(n.name))
                 for a in n.all_input_nodes:
                     if a.op not in ("placeholder", "call_function") or (
                             a.op == "call_function" and a.meta.get("dipc_chunk") == chunk

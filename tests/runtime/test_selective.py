@@ -2,7 +2,7 @@
 activation checkpoint keeping its matmul, attention and convolution outputs; the loss and every gradient equal the
 unsplit model's, beside the other strategies ("keep", per-layer "recompute:k" and "recompute:k/g"); the bytes each
 forward really keeps (measured: dipc.runtime.selective.kept_bytes) are within 10% of the cost model's figure for
-"keep" and "selective" (20% for the per-layer ones); the planner offers selective to every pair and chooses it
+every strategy; the planner offers selective to every pair and chooses it
 under a memory limit."""
 import dataclasses
 
@@ -28,10 +28,8 @@ def _check(model, c, batch, n_microbatches=2, turn=0):
         # it recomputes the cheap ops only: less than the whole forward again
         assert 0 < opts["selective"][2] < w.graph.stages[fk].latency, (fk, opts["selective"])
         want_bytes = opts[how][1]
-        # per-layer checkpoints are measured too, but their figure is looser (up to 15% over: a layer's saved
-        # bytes are spread from the chunk's deduplicated total in proportion)
-        bound = 0.10 if how in ("keep", "selective") else 0.20
-        assert abs(got - want_bytes) <= bound * want_bytes, (fk, how, got, want_bytes)
+        # every strategy within 10%, the per-layer ones too (a storage several layers save counts at the last)
+        assert abs(got - want_bytes) <= 0.10 * want_bytes, (fk, how, got, want_bytes)
         seen.add(how.split("/")[0].rstrip("0123456789"))
     return seen
 
@@ -63,11 +61,14 @@ def test_selective_recompute_on_hugging_face_llava():
 
 def test_the_planner_chooses_selective_recompute_under_a_memory_limit():
     """Under a limit between the plan's free peak and its static state, the DIP plan gives some pairs the
-    selective strategy, and the step still equals the unsplit model."""
+    selective strategy, and the step still equals the unsplit model (on a profile without a host link: with one,
+    offload is the cheaper choice at this limit, test_offload.py)."""
+    from dipc.sim.device import DeviceProfile
     torch.manual_seed(0)
     model = pc.vlm()
     batches = pc.vlm_batches_mixed()
-    c = dipc.compile(model, batches[0], 2, check=False, device="h800")
+    dev = dataclasses.replace(DeviceProfile.load("h800"), host_bandwidth=None)
+    c = dipc.compile(model, batches[0], 2, check=False, device=dev)
     free, _ = dipc.simulate(c, batches[2], 4)
     static = max(c.rank_state_bytes())
     limit = static + 0.6 * (max(free.peak_memory) - static)
