@@ -348,13 +348,25 @@ class DataParallelMixin:
         params = self.parameters()
         flags = None
         b, fsdp = self._dp_buckets, self.fsdp
-        if grads and fsdp is not None:
-            flags = torch.tensor([1.0 if fsdp.reached(p) else 0.0 for p in params], dtype=torch.float64)
-        elif grads:
-            b.launch_rest()
-            flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
         count, total = self._dp_count_now, self._dp_total
-        h, why = self._dp_end(False, float(loss) * count if count else 0.0, flags)
+        spec = self.compiled.batch_spec.loss
+        err = None
+        try:  # what a rank does alone before the header: its pipeline's ranks hear of a failure, then every replica
+            if grads and fsdp is not None:
+                flags = torch.tensor([1.0 if fsdp.reached(p) else 0.0 for p in params], dtype=torch.float64)
+                fsdp.weigh(1.0 if spec.kind == "sum" else (count / total if total else 0.0))
+            elif grads:
+                b.launch_rest()
+                flags = torch.tensor([0.0 if p.grad is None else 1.0 for p in params], dtype=torch.float64)
+        except Exception as e:  # noqa: BLE001 - told to every rank of the mesh, then raised
+            err = e
+        bad = self._ranks_failing(err is not None, f"the pipeline's ranks before step {self.step_index}'s "
+                                                   "data-parallel header")
+        if bad:
+            flags = torch.zeros(len(params), dtype=torch.float64)
+        h, why = self._dp_end(bool(bad), float(loss) * count if count else 0.0, flags,
+                              error=f"{type(err).__name__}: {err}"[:4000] if err is not None else
+                              f"pipeline rank(s) {bad} of this replica failed after its plan")
         if why:
             if b is not None:
                 b.drain()
@@ -363,17 +375,15 @@ class DataParallelMixin:
             if not grads:
                 fsdp.release()
             else:
-                spec = self.compiled.batch_spec.loss
                 if spec.kind == "token_mean" and not total:
                     raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token "
                                      f"in {spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
-                fsdp.reduce(1.0 if spec.kind == "sum" else (count / total if total else 0.0))
+                fsdp.reduce()
                 for p, f in zip(params, h[2:].tolist()):
                     if f == 0:  # no replica reached it: no gradient, as in the unsplit model
                         p.grad = None
         elif grads:
             b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
-            spec = self.compiled.batch_spec.loss
             if spec.kind == "token_mean" and not total:  # every replica raises this, and .grad stays as before
                 raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token in "
                                  f"{spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")

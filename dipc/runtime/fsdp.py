@@ -148,18 +148,22 @@ class FullyShardedParameters:
         u = self.unsharded.get(id(p))
         return p.grad is not None or (u is not None and u.grad is not None)
 
-    def reduce(self, scale: float) -> None:
-        """Reduce-scatter (sum) every group's gradients, each first weighted by ``scale`` (a parameter this replica
-        did not reach contributes zeros, so every replica reduces the same tensors), into the sharded parameters'
-        ``.grad`` (added to a gradient already there), and reshard.  A collective over the data-parallel group."""
-        from torch.distributed.fsdp import fully_shard
-
+    def weigh(self, scale: float) -> None:
+        """Weight every unsharded gradient by ``scale`` (this replica's share of the loss normaliser); a parameter
+        this replica did not reach gets zeros, so every replica reduces the same tensors.  Local: done before the
+        step's second header, so that a failure here (out of memory) reaches every replica through it."""
         with torch.no_grad():
             for _, u in self._pairs:
                 if u.grad is None:
                     u.grad = torch.zeros_like(u)
                 elif scale != 1.0:
                     u.grad.mul_(scale)
+
+    def reduce(self) -> None:
+        """Reduce-scatter (sum) every group's weighted gradients (:meth:`weigh`) into the sharded parameters'
+        ``.grad`` (added to a gradient already there), and reshard.  A collective over the data-parallel group."""
+        from torch.distributed.fsdp import fully_shard
+
         for h in self.holders:
             state = fully_shard.state(h)
             state._fsdp_param_group.post_backward()

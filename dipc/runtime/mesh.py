@@ -134,6 +134,10 @@ def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: fl
                          "sharded parameters): run it with data_parallel='fsdp', or compile with fsdp_size=1")
     out = {"group": group, "dp_group": None, "tp_mesh": None, "plan_group": None, "dp_mesh": None}
     if mesh is None:
+        if compiled.fsdp_size > 1:
+            raise ValueError(f"the pipeline was compiled with fsdp_size={compiled.fsdp_size}: give a mesh with a 'dp' "
+                             f"dim of {compiled.fsdp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., "
+                             "mesh_dim_names=('dp', 'pp'))))")
         if compiled.tp_size != 1:
             raise ValueError(f"the pipeline was compiled with tp_size={compiled.tp_size}: give a mesh with a 'tp' dim "
                              f"of {compiled.tp_size} ranks (compiled.runtime(mesh=init_device_mesh(..., "
@@ -142,6 +146,8 @@ def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: fl
     if group is not None:
         raise ValueError("give the pipeline's group or a mesh, not both")
     dims = mesh_dims(mesh)
+    if dims["dp"] is not None:  # before any group is made: replicas that would make different ones hang
+        _replicas_agree(mesh, dims, compiled, data_parallel, timeout)
     if data_parallel == "fsdp":
         dp = mesh.size(dims["dp"]) if dims["dp"] is not None else 1
         if dp != compiled.fsdp_size:
@@ -155,3 +161,30 @@ def runtime_groups(compiled, group, mesh, data_parallel: str | None, timeout: fl
     keys = ("group", "dp_group", "tp_mesh", "plan_group", "dp_mesh")
     return dict(zip(keys, mesh_groups(mesh, compiled.pp_size, compiled.tp_size, timeout,
                                       fsdp=data_parallel == "fsdp")))
+
+
+def _replicas_agree(mesh, dims, compiled, data_parallel: str, timeout: float) -> None:
+    """Every data-parallel replica of this rank runs the same kind of data parallelism with the same compiled
+    ``fsdp_size`` and ``tp_size`` (one all-reduce of their values and negatives, MAX, over the mesh's "dp" group,
+    waited on at most ``timeout`` seconds): otherwise the replicas would create different process groups and wait
+    on each other until the store times out.
+
+    Raises:
+        ValueError: the replicas differ, naming this replica's values (on every rank of the group)."""
+    import math
+
+    import torch
+
+    from ..wire import wait_work
+
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    mine = [float(data_parallel == "fsdp"), float(compiled.fsdp_size), float(compiled.tp_size)]
+    t = torch.tensor(mine + [-x for x in mine], dtype=torch.float64, device=device)
+    wait = timeout if isinstance(timeout, (int, float)) and 0 < timeout < math.inf else 300.0
+    wait_work(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dims["dp"]), async_op=True), wait,
+              "the data-parallel replicas' agreement on data_parallel, fsdp_size and tp_size")
+    n = len(mine)
+    if any(float(t[i]) != -float(t[n + i]) for i in range(n)):
+        raise ValueError(f"the data-parallel replicas were built differently: this one runs data_parallel="
+                         f"{data_parallel!r} with fsdp_size={compiled.fsdp_size} and tp_size={compiled.tp_size}, "
+                         "another does not; every replica must compile the same model, example batch and options")

@@ -21,6 +21,20 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _abs_max(g: torch.Tensor) -> torch.Tensor:
+    """``max |g|`` of a whole gradient as a float64 scalar (0 for an empty one).  A DTensor's is its shards' maximum
+    (a collective over its mesh): a shard may be empty (FSDP's last replicas of a tensor with fewer rows than the
+    data-parallel size), where ``max()`` has no identity."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    loc = g.to_local() if isinstance(g, DTensor) else g
+    m = loc.detach().abs().max().to(torch.float64) if loc.numel() else \
+        torch.zeros((), dtype=torch.float64, device=loc.device)
+    if not isinstance(g, DTensor):
+        return m
+    return DTensor.from_local(m, g.device_mesh, [Partial("max")] * g.device_mesh.ndim, run_check=False).full_tensor()
+
+
 def keep_trace_model(compiled) -> None:
     """Before the runtime swaps the model's parameters for DTensors (tensor parallelism, FSDP2): later captures
     trace a meta-device copy of the model kept now (its tensors' shapes and dtypes only), and are not compared with
@@ -202,8 +216,7 @@ class ParametersMixin:
         counted = [self._param_obj[pid].grad for pid in self.local_param_ids
                    if self._param_obj[pid].grad is not None and min(self._ranks_by_id[pid]) == self.rank]
         if p_ == math.inf:
-            local = max((_whole(g.detach().abs().max()).to(torch.float64) for g in counted if g.numel()),
-                        default=torch.zeros((), dtype=torch.float64))
+            local = max((_abs_max(g) for g in counted), default=torch.zeros((), dtype=torch.float64))
             op = dist.ReduceOp.MAX
         else:  # a tensor-parallel gradient's norm is its whole tensor's (DTensor reduces over the group)
             local = sum((_whole(torch.linalg.vector_norm(g.detach().to(torch.float64), p_)) ** p_ for g in counted),

@@ -180,6 +180,12 @@ def _mesh(rank, world, data_parallel="ddp", out_dir=None):
             assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     if data_parallel == "fsdp":
         _fsdp_state(rank, pipe, ref, opt, out_dir)
+        # replicas compiled with different fsdp_size would make different process groups: refused on every rank
+        # before any group is made
+        other = dipc.compile(pc.vlm(True), pc.vlm_batch([1, 1], 12, 0), 2, sub_microbatch_size={"vision": 2},
+                             fsdp_size=2 - dp, progress=False)
+        with pytest.raises(ValueError, match="replicas were built differently: this one runs data_parallel="):
+            other.runtime(mesh=mesh, n_microbatches=2, timeout=120)
     # replicas built differently (another bucket_mb here; another example batch changes the partition): the
     # runtime refuses them on every rank before any weight moves
     with pytest.raises(ValueError, match="built differently: bucket_mb"):
@@ -199,8 +205,13 @@ def _fsdp_state(rank, pipe, ref, opt, out_dir):
 
     import pipeline_cases as pc
 
+    import math
     torch.testing.assert_close(pipe.clip_grad_norm_(0.01), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01),
                                rtol=1e-5, atol=1e-7)
+    # the largest element too: vision_tower.pos_embed [1, 4, 32] has an empty shard on replica 1
+    torch.testing.assert_close(pipe.clip_grad_norm_(1e-3, norm_type=math.inf),
+                               torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3, norm_type=math.inf),
+                               rtol=1e-5, atol=1e-9)
     params = dict(ref.named_parameters())
     for n, p in pipe.named_parameters():
         if params[n].grad is not None:

@@ -116,6 +116,8 @@ def test_fsdp_shards_the_kept_state_holds_the_step_state_and_adds_its_collective
         dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, fsdp_size=0)
     with pytest.raises(ValueError, match="run it with data_parallel='fsdp'"):
         c[4].runtime(data_parallel="ddp")
+    with pytest.raises(ValueError, match="compiled with fsdp_size=4: give a mesh with a 'dp' dim of 4 ranks"):
+        c[4].runtime()
 
 
 def test_the_efficiency_curve_slows_small_matmuls_only():
