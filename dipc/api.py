@@ -8,7 +8,7 @@ from __future__ import annotations
 from .plan import Plan
 from .planner.planning import make_plan
 from .planner.options import set_recompute
-from .planner.workload import build_workload, split_for
+from .planner.workload import autocast_state, build_workload, split_for
 from .sim.simulate import SimResult, simulate_workload
 
 __all__ = ["simulate"]
@@ -18,7 +18,8 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
              optimizer_states: int = 2, recompute=False, memory_limit: float | None = None,
              schedule: str = "dip", budget_s: float = 0.0, seed: int = 0,
              memory_opt: str = "ilp", search_workers: int = 1) -> tuple[SimResult, Plan]:
-    """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate.
+    """Plan one step of ``batch`` for ``compiled`` and simulate it with the pipeline's cost estimate (under
+    ``torch.autocast`` the plan's messages carry autocast's dtypes, as ``pipe.step`` under it does).
 
     Stage latencies and activation bytes are those the planner used: with a device profile
     (``dipc.compile(..., device=...)``) the symbolic cost of each (chunk, sub-microbatch shape) on that device and
@@ -56,8 +57,12 @@ def simulate(compiled, batch, n_microbatches: int, *, comm_time=None, static_byt
         ValueError: unknown ``schedule`` or ``memory_opt``, ``budget_s`` < 0.
         PlanError: a rank cannot fit the limit even with its stages recomputed.
     """
+    import torch
+
     mbs = split_for(compiled, batch, n_microbatches, schedule)
-    w = build_workload(compiled, mbs)
+    # under torch.autocast the step's messages carry autocast's dtypes: plan them so (a plan made here runs there)
+    amp = autocast_state(torch.device("cuda")) or autocast_state(torch.device("cpu"))
+    w = build_workload(compiled, mbs, amp)
     if recompute:
         set_recompute(w, recompute)
     plan = make_plan(compiled, w, 0, memory_limit=memory_limit, schedule=schedule, optimizer_states=optimizer_states,

@@ -205,3 +205,41 @@ def run_with_strategies(model, c, batch, n_microbatches, strategy):
             torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     model.zero_grad(set_to_none=True)
     return measured.pop("workload"), measured
+
+
+def checkpoint_round_trip(rank, pipe, ref, opt, path, rtol, atol):
+    """Against the unsplit reference VLM ``ref`` (``vlm(True)``) after the same steps: ``pipe.full_state_dict()``
+    equals its state dict within ``rtol``/``atol``; a DCP checkpoint of the pipeline and ``opt`` written at
+    ``path`` is read by a fresh unsplit model (``dcp.load(..., no_dist=True)`` on rank 0) to the bit, and loads
+    back into the pipeline to the bit after the parameters and AdamW's states moved on (a collective: every rank
+    calls it).  Returns the full state dict."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    full = pipe.full_state_dict()
+    want = ref.state_dict()
+    assert set(full) == set(want)
+    for n in want:
+        torch.testing.assert_close(full[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+    pipe.save_checkpoint(path, opt)
+    dist.barrier()
+    if rank == 0:
+        sd = {"model": vlm(True).state_dict()}
+        dcp.load(sd, checkpoint_id=path, no_dist=True)
+        for n in want:
+            assert torch.equal(sd["model"][n], full[n]), f"{n} read by the unsplit model"
+    snapshot = {n: local(p).clone() for n, p in pipe.named_parameters()}
+    moments = {n: local(opt.state[p]["exp_avg"]).clone() for n, p in pipe.named_parameters() if p in opt.state}
+    for p in pipe.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    pipe.load_checkpoint(path, opt)
+    for n, p in pipe.named_parameters():
+        assert torch.equal(local(p), snapshot[n]), f"rank {rank}: {n} after load_checkpoint"
+        if n in moments:
+            assert torch.equal(local(opt.state[p]["exp_avg"]), moments[n]), f"rank {rank}: {n}'s AdamW state"
+    return full

@@ -164,29 +164,10 @@ def _vlm(rank, world, out_dir):
         if n in before:
             assert torch.equal(_local(p.grad), before[n]), f"rank {rank}: {n}'s .grad changed in the refused step"
     # the full state dict is the unsplit model's after the same steps; a DCP checkpoint loads into the unsplit model
-    full = pipe.full_state_dict()
-    want = ref.state_dict()
-    assert set(full) == set(want)
-    for n in want:
-        torch.testing.assert_close(full[n], want[n], rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    # and back into the pipeline after the parameters moved on, exactly
     ck = os.path.join(out_dir, "ck")
-    pipe.save_checkpoint(ck, opt)
-    dist.barrier()
-    if rank == 0:
-        import torch.distributed.checkpoint as dcp
-        fresh = pc.vlm(True)
-        sd = {"model": fresh.state_dict()}
-        dcp.load(sd, checkpoint_id=ck, no_dist=True)
-        for n in want:
-            torch.testing.assert_close(sd["model"][n], full[n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
-    # and back: the checkpoint loads into the pipeline after the parameters moved on, exactly
-    snapshot = {n: _local(p).clone() for n, p in pipe.named_parameters()}
-    for p in pipe.parameters():
-        p.grad = torch.ones_like(p)
-    opt.step()
-    pipe.load_checkpoint(ck, opt)
-    for n, p in pipe.named_parameters():
-        assert torch.equal(_local(p), snapshot[n]), f"rank {rank}: {n} after load_checkpoint"
+    full = pc.checkpoint_round_trip(rank, pipe, ref, opt, ck, 1e-4, 1e-5)
+    want = ref.state_dict()
     _odd_ops(rank, mesh)  # ops DTensor has no strategy for (forward or backward) run on whole tensors
     if not FULL:
         pipe.close()
@@ -275,20 +256,7 @@ def _mesh3(rank, world, out_dir, fsdp=False):
         for k, v in measured.items():
             assert (v == want_parts[k]) if dp == 0 or k == "step" else (0 < v <= want_parts[k]), \
                 (rank, k, v, want_parts[k])
-        import os
-
-        import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        full = pipe.full_state_dict()
-        ck = os.path.join(out_dir, "ck3")
-        pipe.save_checkpoint(ck, opt)
-        dist.barrier()
-        if rank == 0:
-            sd = {"model": pc.vlm(True).state_dict()}
-            dcp.load(sd, checkpoint_id=ck, no_dist=True)
-            for n, t in ref.state_dict().items():
-                assert torch.equal(sd["model"][n], full[n]), n
-                torch.testing.assert_close(t, full[n], rtol=1e-4, atol=1e-5)
+        pc.checkpoint_round_trip(rank, pipe, ref, opt, os.path.join(out_dir, "ck3"), 1e-4, 1e-5)
     pipe.close()
     return worst
 
@@ -356,7 +324,10 @@ def _odd_ops(rank, mesh):
     pipe.close()
 
 
-def _llava(rank, world, out_dir):
+def _llava(rank, world, out_dir, fsdp=False):
+    """HF LLaVA at (pp 2, tp 2), or with ``fsdp`` at (dp 2, pp 2) sharded by FSDP2 (issue 37 scope 3; both replicas
+    given each step's batch, whose concatenation's loss and gradients are the batch's): new image counts captured
+    while training, then bf16 autocast."""
     import copy
 
     import torch
@@ -365,12 +336,13 @@ def _llava(rank, world, out_dir):
     import dipc
     import pipeline_cases as pc
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))  # any order of the names
+    names = ("pp", "dp") if fsdp else ("tp", "pp")  # any order of the names
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     torch.manual_seed(0)
     model = pc.llava()
     ref = copy.deepcopy(model)
     bs = pc.llava_batches_mixed()
-    compiled = dipc.compile(model, bs[0], 2, tp_size=2, progress=False)
+    compiled = dipc.compile(model, bs[0], 2, progress=False, **({"fsdp_size": 2} if fsdp else {"tp_size": 2}))
     pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200)
     worst, _ = _steps(rank, pipe, ref, [bs[2], bs[1], bs[3]])  # new image counts: captures while training
     worst_amp, _ = _steps(rank, pipe, ref, [bs[1], bs[2]], autocast=True)
@@ -379,28 +351,7 @@ def _llava(rank, world, out_dir):
 
 
 def _llava_fsdp(rank, world, out_dir):
-    """HF LLaVA at (dp 2, pp 2) sharded by FSDP2 (issue 37 scope 3), both replicas given each step's batch (whose
-    concatenation's loss and gradients are the batch's): new image counts captured while training, then bf16
-    autocast."""
-    import copy
-
-    import torch
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import dipc
-    import pipeline_cases as pc
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    torch.manual_seed(0)
-    model = pc.llava()
-    ref = copy.deepcopy(model)
-    bs = pc.llava_batches_mixed()
-    compiled = dipc.compile(model, bs[0], 2, fsdp_size=2, progress=False)
-    pipe = compiled.runtime(mesh=mesh, n_microbatches=2, timeout=200)
-    worst, _ = _steps(rank, pipe, ref, [bs[2], bs[1], bs[3]])
-    worst_amp, _ = _steps(rank, pipe, ref, [bs[1], bs[2]], autocast=True)
-    pipe.close()
-    return worst, worst_amp
+    return _llava(rank, world, out_dir, fsdp=True)
 
 
 def _fault(rank, world, out_dir):
@@ -505,16 +456,9 @@ def test_dp_by_pp_by_tp_mesh_sharded_by_fsdp2_equals_the_unsplit_model(tmp_path)
 @SLOW
 @pytest.mark.hf
 @pytest.mark.timeout(400)
-def test_pp_by_tp_mesh_trains_hf_llava_as_the_unsplit_model(tmp_path):
-    out = _torchrun(tmp_path, "_llava", timeout=380)
-    assert max(w for w, _ in out) < 1e-4
-
-
-@SLOW
-@pytest.mark.hf
-@pytest.mark.timeout(400)
-def test_dp_by_pp_mesh_sharded_by_fsdp2_trains_hf_llava_as_the_unsplit_model(tmp_path):
-    out = _torchrun(tmp_path, "_llava_fsdp", timeout=380)
+@pytest.mark.parametrize("fn", ["_llava", "_llava_fsdp"])  # (pp 2, tp 2); (dp 2, pp 2) sharded by FSDP2
+def test_hf_llava_trains_as_the_unsplit_model_on_tp_and_fsdp2_meshes(tmp_path, fn):
+    out = _torchrun(tmp_path, fn, timeout=380)
     assert max(w for w, _ in out) < 1e-4
 
 

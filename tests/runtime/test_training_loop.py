@@ -354,6 +354,11 @@ def test_a_capture_made_under_autocast_is_the_models_own_graph():
     want = ref(**big)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
     assert {t.dtype for acts in plan.ranks for a in acts for t in a.tensors} <= {"float32", "int64", "bool"}
+    # a plan dipc.simulate makes under autocast carries autocast's dtypes, and runs under it
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, amp_plan = dipc.simulate(compiled, big, 2)
+        run_local(compiled, big, 2, amp_plan)
+    assert "bfloat16" in {t.dtype for acts in amp_plan.ranks for a in acts for t in a.tensors}
 
 
 def test_a_model_cast_to_bfloat16_as_a_whole():
