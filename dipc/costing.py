@@ -247,18 +247,59 @@ class CostingMixin:
                 payload = max(payload, n)
         return n_collectives * self.device.tp_allreduce_time(payload, self.tp_size)
 
-    def rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
+    def rank_state_bytes(self, optimizer_states: int = 2, amp: tuple[str, str] | None = None) -> list[float]:
         """Bytes per GPU each rank holds all the time: its parameters, their gradients and ``optimizer_states``
         optimizer tensors per parameter (AdamW: 2), once per distinct tensor (tied weights count on every rank
         holding them), plus its buffers; with ``tp_size`` T a parameter the tensor-parallel split divides
         (:meth:`tensor_parallel_plan`: column/row-parallel weights, vocabulary-parallel tables) counts 1/T, the
         replicated ones (norms, row-parallel biases, convolutions) and the buffers whole, as the runtime holds them.
         A 16-bit parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus
-        an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
+        an fp32 gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW).  ``amp``:
+        the step's ``torch.autocast`` (``(device type, dtype name)``, :attr:`StepWorkload.amp`), whose cache keeps a
+        cast copy of every wider weight a matmul or convolution reads for the length of the step
+        (:meth:`autocast_copy_bytes`)."""
         cache = self.__dict__.setdefault("_state_bytes", {})
         if optimizer_states not in cache:
             cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
-        return list(cache[optimizer_states])
+        out = list(cache[optimizer_states])
+        if amp is not None:
+            out = [a + b for a, b in zip(out, self.autocast_copy_bytes(amp[1]))]
+        return out
+
+    def autocast_copy_bytes(self, dtype_name: str) -> list[float]:
+        """Per rank, the bytes per GPU of the copies ``torch.autocast`` to ``dtype_name`` caches during a step: each
+        floating-point parameter wider than it that a matmul, linear or convolution of the rank's chunks reads (the
+        ops autocast runs in that dtype), at that dtype's width, once per parameter (autocast's weight cache lives
+        until the autocast context exits); the tensor-parallel split divides a split one."""
+        cache = self.__dict__.setdefault("_autocast_copy_bytes", {})
+        if dtype_name in cache:
+            return list(cache[dtype_name])
+        width = torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
+        ops = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.bmm.default, torch.ops.aten.matmul.default, torch.ops.aten.conv2d.default,
+               torch.ops.aten.conv1d.default, torch.ops.aten.conv3d.default, torch.ops.aten.convolution.default}
+        cap = self.program.capture
+        cast = {fqn for n in cap.graph.nodes if n.op == "call_function" and n.target in ops
+                for a in n.all_input_nodes for kind, fqn in [cap.state_targets.get(a.name, (None, None))]
+                if kind == "parameter"}
+        tp = self.tensor_parallel_plan()
+        out = []
+        for r in range(self.pp_size):
+            seen: dict[int, tuple[str, torch.Tensor]] = {}
+            for c in self.partition.chunks:
+                cm = self.program.chunks.get(c.index)
+                if c.rank == r and cm is not None:
+                    for name in cm.state_names:
+                        t = self._state.get(name)
+                        if name in cast and t is not None and t.is_floating_point() and t.element_size() > width:
+                            seen[id(t)] = (name, t)
+            total = 0.0
+            for name, t in seen.values():
+                numel = t.numel() // (self.tp_size if tp.shard_dim(name, t.ndim) is not None else 1)
+                total += numel * width
+            out.append(total)
+        cache[dtype_name] = out
+        return list(out)
 
     def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
         """Bytes each rank holds all the time: the sum of :meth:`rank_state_parts` (per GPU of a tensor-parallel

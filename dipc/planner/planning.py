@@ -173,6 +173,8 @@ def make_plan(compiled, workload: StepWorkload, step: int, *, check: bool = True
     if budget_s > 0 and not t.searches:
         raise ValueError(f"budget_s (the MCTS search) applies to schedule 'dip' only, not to the fixed template "
                          f"{t.name!r}")
+    if static_bytes is None:  # with the step's autocast copies of the weights
+        static_bytes = compiled.rank_state_bytes(optimizer_states, workload.amp)
     planner = _StepPlanner(compiled, workload, step, t, memory_limit=memory_limit, optimizer_states=optimizer_states,
                            static_bytes=static_bytes, ilp=memory_opt == "ilp", searching=budget_s > 0)
     sched = planner.schedule_under_budgets()

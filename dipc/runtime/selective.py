@@ -53,7 +53,8 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     autograd and the checkpoint hold (saved tensors, the selective policy's cache, the inputs they keep).
     Parameters and buffers are not counted.  ``forward``: what runs the forward instead (``forward(**inputs)``,
     e.g. the chunk with its first layers under activation checkpoints for a "recompute:k/g" strategy), with
-    ``module``'s weights still not counted.  Under an offloading strategy (:func:`dipc.plan.offloads`) the host copies
+    ``module``'s weights still not counted, nor their copies ``torch.autocast`` caches (step state:
+    :meth:`dipc.costing.CostingMixin.autocast_copy_bytes`).  Under an offloading strategy (:func:`dipc.plan.offloads`) the host copies
     (:class:`dipc.runtime.offload.HostActivations`) are not the device's: they are counted apart.  Returns
     ``(bytes kept on the device, outputs, bytes kept in host memory)``.
 
@@ -69,6 +70,9 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
         raise ValueError(f"kept_bytes runs 'keep', 'selective' and 'offload' itself, got {strategy!r} without a "
                          "forward")
     refs: dict[int, tuple[Any, int]] = {}
+    weights = {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())} \
+        if isinstance(module, torch.nn.Module) else set()
+    casts: set[int] = set()  # torch.autocast's copies of the weights: its cache holds them for the step, as state
 
     def follow(t):
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -78,8 +82,12 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     class _Allocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kw=None):
             out = func(*args, **(kw or {}))
+            cast = func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and \
+                args[0].untyped_storage()._cdata in weights
             for t in tree_leaves(out):
                 follow(t)
+                if cast and isinstance(t, torch.Tensor):
+                    casts.add(t.untyped_storage()._cdata)
             return out
 
     inputs = {k: (v.detach().clone().requires_grad_(v.requires_grad) if isinstance(v, torch.Tensor) else v)
@@ -97,8 +105,7 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     del inputs
     gc.collect()
     skip = {t.untyped_storage()._cdata for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
-    if isinstance(module, torch.nn.Module):  # weights (and their transposed views) are not activations
-        skip |= {t.untyped_storage()._cdata for t in (*module.parameters(), *module.buffers())}
+    skip |= weights | casts  # weights (and their transposed views, and autocast's copies) are not activations
     on_host = host.host_storages if host is not None else set()
     alive = {cdata: n for cdata, (ref, n) in refs.items() if cdata not in skip and not ref.expired()}
     return sum(n for cdata, n in alive.items() if cdata not in on_host), out, host.host_bytes if host else 0

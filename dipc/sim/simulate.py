@@ -416,7 +416,7 @@ def simulate_workload(compiled, w, plan: Plan, *, comm_time=None, static_bytes=N
     does: the stages' latencies, activation and transient bytes, message buffers (per GPU under tensor
     parallelism), the runtime's posting overheads and end-of-step epilogue on the compiled pipeline's device."""
     if static_bytes is None:
-        static_bytes = compiled.rank_state_bytes(optimizer_states)
+        static_bytes = compiled.rank_state_bytes(optimizer_states, w.amp)
     if comm_time is None and compiled.device is not None:
         dev = compiled.device
         T = compiled.message_shards  # with sequence parallelism each GPU sends its shard over its own link

@@ -118,3 +118,28 @@ def test_selective_recompute_of_qwen2_vl_under_bf16_autocast():
         if k in want:
             torch.testing.assert_close(p.grad, want[k], rtol=1e-2, atol=1e-2, msg=lambda m: f"{k}: {m}")
     assert {v[0] for k, v in measured.items() if k != "workload"} == {"selective"}
+
+
+def test_autocast_weight_copies_are_step_state_not_activations():
+    """Under torch.autocast its cache holds a low-precision copy of each weight a matmul reads for the whole step:
+    counted once per rank as step state (``rank_state_bytes(amp=)``, :meth:`autocast_copy_bytes`), and not as a
+    forward's kept activations (``kept_bytes``)."""
+    from dipc.runtime.selective import kept_bytes
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x = torch.randn(8, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, out, _ = kept_bytes(lin, {"input": x})
+    # the input (held by its gradient's accumulator) and its bf16 copy the linear saves; not the weight's copy
+    assert out.dtype == torch.bfloat16 and kept == 8 * 64 * 4 + 8 * 64 * 2, kept
+    c = dipc.compile(pc.vlm(), pc.vlm_batch([1, 1], 12, 0), 2, check=False, progress=False)
+    copies = c.autocast_copy_bytes("bfloat16")
+    for r in range(2):
+        linear = {id(t): t for ch in c.partition.chunks if ch.rank == r
+                  for n in c.program.chunks[ch.index].state_names for t in [c._state[n]]
+                  if isinstance(t, torch.nn.Parameter) and ("proj" in n or "fc" in n or "mlp" in n or "head" in n
+                                                            or "patch" in n)}
+        assert 0 < copies[r] <= sum(t.numel() * 2 for t in linear.values()) + 1, (r, copies[r])
+        assert c.rank_state_bytes(2, ("cpu", "bfloat16"))[r] == c.rank_state_bytes(2)[r] + copies[r]
+    assert c.autocast_copy_bytes("float32") == [0.0, 0.0]
