@@ -97,9 +97,11 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
         held += i
         rebuild = max(rebuild, a)
         extra = f_lat * done_f / total_f
-        out.append((f"recompute:{k}", min(keep, held + max(kept_after, 0.0)), extra, min(rebuild, keep)))
+        # a checkpoint holds its inputs whatever they are: more than "keep" where the layers save little of them
+        # (a stage with no instances of its kind: 0 kept, its batch inputs held by the checkpoint)
+        out.append((f"recompute:{k}", held + max(kept_after, 0.0), extra, min(rebuild, keep)))
         if k >= 2:  # one checkpoint over them: it holds the chunk's inputs only, and its backward rebuilds them all
-            out.append((f"recompute:{k}/{k}", min(keep, inputs + max(kept_after, 0.0)), extra, min(done_a, keep)))
+            out.append((f"recompute:{k}/{k}", inputs + max(kept_after, 0.0), extra, min(done_a, keep)))
         if bw and k < len(blocks) and kept_after > 1e-9 * keep and inputs < keep:  # and what the layers after
             # them save offloaded, with the checkpoints' inputs (saved for them outside them)
             host = kept_after + max(held - inputs, 0.0)
@@ -109,7 +111,7 @@ def memory_options(w: StepWorkload, fk: str) -> list[tuple[str, float, float, fl
     g = 2
     while g < n:  # Megatron's uniform method: all layers in checkpoints of g, each keeping its input
         groups = [blocks[s:s + g] for s in range(0, n, g)]
-        out.append((f"recompute:{n}/{g}", min(keep, sum(grp[0][2] for grp in groups)), f_lat,
+        out.append((f"recompute:{n}/{g}", sum(grp[0][2] for grp in groups), f_lat,
                     min(max(sum(b[1] for b in grp) for grp in groups), keep)))
         g *= 2
     if inputs < keep:
