@@ -44,7 +44,6 @@ class FullyShardedParameters:
         self.size = mesh.size()
         self.holders: list[torch.nn.Module] = []  # one per group, in chunk order (the collectives' order)
         self.unsharded: dict[int, torch.nn.Parameter] = {}  # id(original or sharded parameter) -> unsharded one
-        self.sharded: list[torch.nn.Parameter] = []  # the sharded parameters, in group order
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (sharded, unsharded)
 
     # -- set up
@@ -97,11 +96,10 @@ class FullyShardedParameters:
                 fp = fps[id(box)]
                 self.unsharded[id(p)] = self.unsharded[id(sharded)] = fp.unsharded_param
                 old_of[id(sharded)] = p
-                self.sharded.append(sharded)
                 self._pairs.append((sharded, fp.unsharded_param))
             holder.reshard()
             self.holders.append(holder)
-        new_of = {id(old_of[id(s)]): s for s in self.sharded}
+        new_of = {id(old_of[id(s)]): s for s, _ in self._pairs}
 
         def swap(mod: torch.nn.Module, table: dict[int, torch.nn.Parameter]) -> None:
             for m in mod.modules():
