@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .parameters import swap_parameters
+
 __all__ = ["FullyShardedParameters"]
 
 
@@ -61,9 +63,8 @@ class FullyShardedParameters:
         """
         from torch.distributed.fsdp import fully_shard
 
-        from .parameters import keep_trace_model
+        from .parameters import keep_trace_model, swap_in_model_and_state
 
-        model = compiled.model
         keep_trace_model(compiled)  # later captures trace a meta copy of the model, not its shards
         seen: set[int] = set()
         old_of: dict[int, torch.nn.Parameter] = {}  # id(sharded) -> original
@@ -101,16 +102,7 @@ class FullyShardedParameters:
             self.holders.append(holder)
         new_of = {id(old_of[id(s)]): s for s, _ in self._pairs}
 
-        def swap(mod: torch.nn.Module, table: dict[int, torch.nn.Parameter]) -> None:
-            for m in mod.modules():
-                for k, v in list(m._parameters.items()):
-                    if v is not None and id(v) in table:
-                        m._parameters[k] = table[id(v)]
-
-        swap(model, new_of)
-        for k, v in list(compiled._state.items()):
-            if id(v) in new_of:
-                compiled._state[k] = new_of[id(v)]
+        swap_in_model_and_state(compiled, new_of)
         for prog in compiled.programs:
             for cm in prog.chunks.values():
                 if cm.gm is not None:
@@ -121,10 +113,7 @@ class FullyShardedParameters:
         parameters that are an original or a sharded parameter are replaced in place.  Idempotent."""
         if gm.__dict__.get("_dipc_fsdp") is self:
             return
-        for m in gm.modules():
-            for k, v in list(m._parameters.items()):
-                if v is not None and id(v) in self.unsharded:
-                    m._parameters[k] = self.unsharded[id(v)]
+        swap_parameters(gm, self.unsharded)
         gm.__dict__["_dipc_fsdp"] = self
 
     # -- a step

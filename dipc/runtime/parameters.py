@@ -35,6 +35,23 @@ def _abs_max(g: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(m, g.device_mesh, [Partial("max")] * g.device_mesh.ndim, run_check=False).full_tensor()
 
 
+def swap_parameters(mod: torch.nn.Module, table: dict) -> None:
+    """In every module under ``mod``, replace each parameter whose id is in ``table`` by ``table[id]`` (in place:
+    the modules' ``_parameters``, so attribute reads and a GraphModule's ``get_attr`` see the new one)."""
+    for m in mod.modules():
+        for k, v in list(m._parameters.items()):
+            if v is not None and id(v) in table:
+                m._parameters[k] = table[id(v)]
+
+
+def swap_in_model_and_state(compiled, table: dict) -> None:
+    """:func:`swap_parameters` in the compiled model and its state dict (``compiled._state``)."""
+    swap_parameters(compiled.model, table)
+    for k, v in list(compiled._state.items()):
+        if id(v) in table:
+            compiled._state[k] = table[id(v)]
+
+
 def keep_trace_model(compiled) -> None:
     """Before the runtime swaps the model's parameters for DTensors (tensor parallelism, FSDP2): later captures
     trace a meta-device copy of the model kept now (its tensors' shapes and dtypes only), and are not compared with

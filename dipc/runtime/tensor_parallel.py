@@ -150,7 +150,7 @@ class TensorParallel:
         kept before the swap.  A collective over the tensor-parallel group: every rank calls it alike."""
         from torch.distributed.tensor import distribute_tensor
 
-        from .parameters import keep_trace_model
+        from .parameters import keep_trace_model, swap_in_model_and_state, swap_parameters
 
         model = compiled.model
         keep_trace_model(compiled)
@@ -164,20 +164,11 @@ class TensorParallel:
             d = distribute_tensor(p.detach(), self.mesh, self.placements(names[id(p)], p.ndim))
             new[id(p)] = torch.nn.Parameter(d, requires_grad=p.requires_grad)
 
-        def swap(mod):
-            for m in mod.modules():
-                for k, v in list(m._parameters.items()):
-                    if v is not None and id(v) in new:
-                        m._parameters[k] = new[id(v)]
-
-        swap(model)
-        for k, v in list(compiled._state.items()):
-            if id(v) in new:
-                compiled._state[k] = new[id(v)]
+        swap_in_model_and_state(compiled, new)
         for prog in compiled.programs:
             for cm in prog.chunks.values():
                 if cm.gm is not None:
-                    swap(cm.gm)
+                    swap_parameters(cm.gm, new)
 
     def settle(self, params) -> None:
         """Each gradient in ``params`` gets its parameter's placement (DTensor's backward may leave a partial sum or
