@@ -67,8 +67,9 @@ class CostingMixin:
     def _block_costs(self, prog: Program, chunk: int):
         """Per layer of ``chunk`` in ``prog``'s capture (``node.meta["dipc_layer"]``, the units of per-layer
         recompute): ``f<j>`` its forward seconds (the roofline of :meth:`_chunk_costs`), ``a<j>`` the bytes its
-        nodes save for the backward (a storage saved by several layers at the last of them) and ``i<j>`` the bytes of the values it reads from outside itself (what its
-        activation checkpoint holds; parameters left out, a storage counted once, at the first layer reading it),
+        nodes save for the backward (a storage saved by several layers at the last of them) and ``i<j>`` the bytes
+        of the values it reads from outside itself (what its activation checkpoint holds; parameters left out, a
+        storage counted once, at the first layer reading it),
         all per GPU (:meth:`_tp_div`), j = the layer's position in the chunk; compiled in one ``sympy.lambdify``."""
         div = self._tp_div(prog.capture)
         nodes = [n for n in prog.capture.graph.nodes if n.op == "call_function" and n.meta.get("dipc_chunk") == chunk]
@@ -149,7 +150,8 @@ class CostingMixin:
             if inst.modality in auto_b and eff:
                 peak = max(eff.values())
                 b_i = min(b for b, e in eff.items() if e >= 0.95 * peak)
-                self.rule_notes[inst.modality] = f"B_i by the DIP rule (>= 95% of peak efficiency on {self.device.name})"
+                self.rule_notes[inst.modality] = ("B_i by the DIP rule (>= 95% of peak efficiency on "
+                                                  f"{self.device.name})")
                 inst = dataclasses.replace(inst, sub_microbatch_size=b_i)
             latency[inst.modality] = t.get(b_i, latency[inst.modality])
             at[inst.modality] = at_b(b_i)
@@ -258,10 +260,7 @@ class CostingMixin:
         the step's ``torch.autocast`` (``(device type, dtype name)``, :attr:`StepWorkload.amp`), whose cache keeps a
         cast copy of every wider weight a matmul or convolution reads for the length of the step
         (:meth:`autocast_copy_bytes`)."""
-        cache = self.__dict__.setdefault("_state_bytes", {})
-        if optimizer_states not in cache:
-            cache[optimizer_states] = self._rank_state_bytes(optimizer_states)
-        out = list(cache[optimizer_states])
+        out = [sum(parts.values()) for parts in self.rank_state_parts(optimizer_states)]
         if amp is not None:
             out = [a + b for a, b in zip(out, self.autocast_copy_bytes(amp[1]))]
         return out
@@ -282,29 +281,11 @@ class CostingMixin:
         cast = {fqn for n in cap.graph.nodes if n.op == "call_function" and n.target in ops
                 for a in n.all_input_nodes for kind, fqn in [cap.state_targets.get(a.name, (None, None))]
                 if kind == "parameter"}
-        tp = self.tensor_parallel_plan()
-        out = []
-        for r in range(self.pp_size):
-            seen: dict[int, tuple[str, torch.Tensor]] = {}
-            for c in self.partition.chunks:
-                cm = self.program.chunks.get(c.index)
-                if c.rank == r and cm is not None:
-                    for name in cm.state_names:
-                        t = self._state.get(name)
-                        if name in cast and t is not None and t.is_floating_point() and t.element_size() > width:
-                            seen[id(t)] = (name, t)
-            total = 0.0
-            for name, t in seen.values():
-                numel = t.numel() // (self.tp_size if tp.shard_dim(name, t.ndim) is not None else 1)
-                total += numel * width
-            out.append(total)
+        out = [float(sum(numel * width for name, t, numel, _ in self._rank_tensors(r)
+                         if name in cast and t.is_floating_point() and t.element_size() > width))
+               for r in range(self.pp_size)]
         cache[dtype_name] = out
         return list(out)
-
-    def _rank_state_bytes(self, optimizer_states: int = 2) -> list[float]:
-        """Bytes each rank holds all the time: the sum of :meth:`rank_state_parts` (per GPU of a tensor-parallel
-        group, per replica of a sharded data-parallel group, :meth:`rank_state_bytes`)."""
-        return [sum(parts.values()) for parts in self.rank_state_parts(optimizer_states)]
 
     def rank_state_parts(self, optimizer_states: int = 2) -> list[dict[str, float]]:
         """Per rank, the bytes per GPU of :meth:`rank_state_bytes` by kind:
@@ -319,28 +300,37 @@ class CostingMixin:
         Each distinct tensor of the rank's chunks counts once (a tied weight on every rank holding it).  With
         ``tp_size`` T a parameter the tensor-parallel split divides (:meth:`tensor_parallel_plan`) counts 1/T.
         With D > 1 each parameter's kept kinds count FSDP's largest shard, ``ceil(dim0 / D)`` rows (``Shard(0)``,
-        as ``torch.chunk`` splits; the last replicas may hold fewer) of the tensor-parallel shard under TP.  A 16-bit parameter counts as mixed-precision
-        training keeps it (Megatron's default): the 16-bit weight plus an fp32 gradient, fp32 master weight and fp32
-        optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
+        as ``torch.chunk`` splits; the last replicas may hold fewer) of the tensor-parallel shard under TP.  A 16-bit
+        parameter counts as mixed-precision training keeps it (Megatron's default): the 16-bit weight plus an fp32
+        gradient, fp32 master weight and fp32 optimizer states (2 + 4 x 4 = 18 bytes with AdamW)."""
+        cache = self.__dict__.setdefault("_state_parts_cache", {})
+        if optimizer_states not in cache:
+            cache[optimizer_states] = self._state_parts(optimizer_states)
+        return [dict(p) for p in cache[optimizer_states]]
+
+    def _rank_tensors(self, r: int):
+        """``(name, tensor, numel per GPU, tensor-parallel shard dim or None)`` of each distinct parameter and buffer
+        the chunks of rank ``r`` read (the split divides a split one's elements by ``tp_size``:
+        :func:`dipc.passes.tensor_parallel.plan_tensor_parallel` splits only what T divides)."""
         tp = self.tensor_parallel_plan()
-        D = getattr(self, "fsdp_size", 1)
-        out = []
-        for r in range(self.pp_size):
-            seen: dict[int, tuple[str, torch.Tensor]] = {}
-            for c in self.partition.chunks:
-                cm = self.program.chunks.get(c.index)
-                if c.rank != r or cm is None:
-                    continue
+        seen: dict[int, tuple[str, torch.Tensor]] = {}
+        for c in self.partition.chunks:
+            cm = self.program.chunks.get(c.index)
+            if c.rank == r and cm is not None:
                 for name in cm.state_names:
                     t = self._state.get(name)
                     if t is not None:
                         seen[id(t)] = (name, t)
+        for name, t in seen.values():
+            sd = tp.shard_dim(name, t.ndim)
+            yield name, t, t.numel() // (self.tp_size if sd is not None else 1), sd
+
+    def _state_parts(self, optimizer_states: int) -> list[dict[str, float]]:
+        D = getattr(self, "fsdp_size", 1)
+        out = []
+        for r in range(self.pp_size):
             parts = dict.fromkeys(("parameters", "gradients", "optimizer", "buffers", "step"), 0.0)
-            for name, t in seen.values():
-                numel = t.numel()
-                sd = tp.shard_dim(name, t.ndim)
-                if sd is not None:
-                    numel //= self.tp_size  # the split divides it (plan_tensor_parallel splits only what T divides)
+            for name, t, numel, sd in self._rank_tensors(r):
                 es = t.element_size()
                 if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
                     parts["buffers"] += numel * es

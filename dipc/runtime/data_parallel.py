@@ -371,22 +371,19 @@ class DataParallelMixin:
             if b is not None:
                 b.drain()
             raise self._dp_failed(why)
+        if grads and spec.kind == "token_mean" and not total:  # every replica raises this, .grad stays as before
+            raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token in "
+                             f"{spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
         if fsdp is not None:
             if not grads:
                 fsdp.release()
             else:
-                if spec.kind == "token_mean" and not total:
-                    raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token "
-                                     f"in {spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
                 fsdp.reduce()
                 for p, f in zip(params, h[2:].tolist()):
                     if f == 0:  # no replica reached it: no gradient, as in the unsplit model
                         p.grad = None
         elif grads:
             b.wait(f"the data-parallel gradient all-reduce of step {self.step_index}")
-            if spec.kind == "token_mean" and not total:  # every replica raises this, and .grad stays as before
-                raise BatchError(f"step {self.step_index}: no data-parallel replica's batch has a labelled token in "
-                                 f"{spec.labels_key!r}: the concatenated batch's token-mean loss is undefined")
             b.copy_back({id(p) for p, f in zip(params, h[2:].tolist()) if f > 0})
             # after which of the rank's actions each bucket's all-reduce started (n_actions: after the plan)
             self.last_dp_buckets = {"started_after": list(b.launched_at), "n_actions": b.n_actions}

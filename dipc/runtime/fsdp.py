@@ -43,7 +43,6 @@ class FullyShardedParameters:
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.size = mesh.size()
         self.holders: list[torch.nn.Module] = []  # one per group, in chunk order (the collectives' order)
         self.unsharded: dict[int, torch.nn.Parameter] = {}  # id(original or sharded parameter) -> unsharded one
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (sharded, unsharded)

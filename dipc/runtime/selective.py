@@ -54,8 +54,9 @@ def kept_bytes(module: Callable[..., Any], kwargs: Mapping[str, Any], strategy: 
     Parameters and buffers are not counted.  ``forward``: what runs the forward instead (``forward(**inputs)``,
     e.g. the chunk with its first layers under activation checkpoints for a "recompute:k/g" strategy), with
     ``module``'s weights still not counted, nor their copies ``torch.autocast`` caches (step state:
-    :meth:`dipc.costing.CostingMixin.autocast_copy_bytes`).  Under an offloading strategy (:func:`dipc.plan.offloads`) the host copies
-    (:class:`dipc.runtime.offload.HostActivations`) are not the device's: they are counted apart.  Returns
+    :meth:`dipc.costing.CostingMixin.autocast_copy_bytes`).  Under an offloading strategy
+    (:func:`dipc.plan.offloads`) the host copies (:class:`dipc.runtime.offload.HostActivations`) are not the
+    device's: they are counted apart.  Returns
     ``(bytes kept on the device, outputs, bytes kept in host memory)``.
 
     Raises:
